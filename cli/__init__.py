@@ -1,0 +1,1 @@
+"""The `miles` command line (installed as the package miles_cli)."""

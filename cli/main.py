@@ -1,0 +1,125 @@
+"""`miles run | plugins | validate`.
+
+Every user error (config, data, reward code, plugins) is printed as one line and exits with 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from importlib import resources
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from miles_core.errors import MilesUserError
+
+QUICKSTART = "quickstart"
+
+
+def _blocked(values: tuple[str, ...]) -> list[str]:
+    out = []
+    for v in values:
+        if not v.startswith("no:"):
+            raise MilesUserError(f"-p {v}: only blocking is supported, as -p no:NAME")
+        out.append(v[3:])
+    return out
+
+
+def user_errors(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except MilesUserError as exc:
+            Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+def _recipe_path(recipe: str | None, overrides: list[str]) -> tuple[Path, list[str]]:
+    """RECIPE is optional: a first argument that looks like an override belongs to the overrides."""
+    if recipe is not None and ("=" in recipe or recipe.startswith("--")):
+        overrides = [recipe, *overrides]
+        recipe = None
+    if recipe is None or recipe == QUICKSTART:
+        return Path(str(resources.files("miles_core.recipes") / "quickstart.yaml")), overrides
+    return Path(recipe), overrides
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="miles")
+def main() -> None:
+    """Miles: RL post-training for language models."""
+
+
+_plugin_opt = click.option("-p", "plugin_opts", multiple=True, metavar="no:NAME", help="Block a plugin (repeatable).")
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("recipe", required=False)
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+@_plugin_opt
+@user_errors
+def run(recipe, overrides, plugin_opts):
+    """Run RECIPE (a YAML file; default: the CPU quickstart) with key=value overrides.
+
+    The common slime flags work too: --num-rollout 10 --lr 1e-6 --rollout-batch-size 32 ...
+    """
+    from miles_core.config.loader import load_config
+    from miles_core.orchestration.run import run as run_recipe
+    from miles_core.plugins.manager import MilesPlugins
+
+    path, overrides = _recipe_path(recipe, list(overrides))
+    plugins = MilesPlugins(blocked=_blocked(plugin_opts))
+    cfg = load_config(path, overrides)
+    run_recipe(cfg, plugins)
+
+
+@main.command()
+@click.argument("recipe", required=False)
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+@_plugin_opt
+@user_errors
+def validate(recipe, overrides, plugin_opts):
+    """Build everything RECIPE needs (config, plugins, data, reward, model) without running."""
+    from miles_core.config.loader import load_config
+    from miles_core.orchestration.build import build
+    from miles_core.plugins.manager import MilesPlugins
+
+    path, overrides = _recipe_path(recipe, list(overrides))
+    plugins = MilesPlugins(blocked=_blocked(plugin_opts))
+    cfg = load_config(path, overrides)
+    c = build(cfg, plugins, None)
+    n = sum(p.numel() for p in c.model.parameters())
+    click.echo(
+        f"ok: {path} — task {cfg.data.task} ({len(c.task.eval_prompts())} eval prompts), reward {c.reward_name}, "
+        f"{cfg.algorithm.advantage_estimator}/{cfg.algorithm.policy_loss}, model {c.family.name} {n:,} params on {c.ctx.device}"
+    )
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_plugin_opt
+@user_errors
+def plugins(as_json, plugin_opts):
+    """List the loaded plugins, their versions, hooks and what each registered."""
+    from miles_core.observe.view import plugins_table
+    from miles_core.plugins.manager import MilesPlugins
+
+    pm = MilesPlugins(blocked=_blocked(plugin_opts))
+    infos = pm.info()
+    if as_json:
+        click.echo(json.dumps([i.as_dict() for i in infos], indent=2))
+        return
+    console = Console()
+    console.print(plugins_table(infos))
+    for info in infos:
+        console.print(f"[bold]{info.name}[/] hooks: {', '.join(info.hooks)}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,39 @@
+"""GRPO advantages (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300).
+
+For a group of G samples of one prompt with rewards r_1..r_G:
+
+    A_i = (r_i - mean(r)) / (std(r) + eps)        (normalize_std=True)
+    A_i =  r_i - mean(r)                          (normalize_std=False: Dr.GRPO, arXiv:2503.20783)
+
+``std`` is the unbiased sample std (torch default); a group whose rewards are all equal gets
+advantage 0. The sample's advantage is broadcast to all of its response tokens.
+Shapes: rewards [N], group_ids [N], response_mask [N, T] -> advantages [N, T].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miles_core.algorithms.config import AlgorithmConfig
+from miles_core.types import AdvantageInputs, AdvantageOutputs
+
+EPS = 1e-6
+
+
+def group_normalized(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool) -> torch.Tensor:
+    """Per-sample (r - group mean) [/ group std], for groups of any (uneven) sizes."""
+    rewards = rewards.float()
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    sums = torch.zeros(len(counts), dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, rewards)
+    mean = sums / counts
+    centered = rewards - mean[inverse]
+    if not normalize_std:
+        return centered
+    sq = torch.zeros_like(sums).index_add_(0, inverse, centered**2)
+    var = sq / (counts - 1).clamp(min=1)
+    return centered / (var.sqrt()[inverse] + EPS)
+
+
+def grpo(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> AdvantageOutputs:
+    adv = group_normalized(inputs.rewards, inputs.group_ids, cfg.normalize_std)
+    return AdvantageOutputs(advantages=adv[:, None] * inputs.response_mask)

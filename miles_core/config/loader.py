@@ -1,0 +1,170 @@
+"""Build a :class:`MilesConfig` from a YAML recipe plus ``key=value`` overrides and flags.
+
+Every error names the key (and the file) and, for an unknown key, the closest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from miles_core.config.flags import SLIME_FLAGS
+from miles_core.config.schema import MilesConfig
+from miles_core.errors import ConfigError, did_you_mean
+
+
+def _all_keys(cls: type = MilesConfig, prefix: str = "") -> list[str]:
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            keys.extend(_all_keys(tp, f"{prefix}{f.name}."))
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise errors[0]
+    if tp is Any:
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{key}' must be a list, got {value!r}")
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"config key '{key}' must be a string, got {value!r}")
+    raise ConfigError(f"config key '{key}' has an unsupported type {tp!r}")  # pragma: no cover
+
+
+def _apply(obj: Any, data: dict[str, Any], prefix: str, source: str) -> None:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: '{prefix.rstrip('.') or 'the recipe'}' must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if name not in names:
+            raise ConfigError(f"{source}: unknown config key '{key}'{did_you_mean(key, _all_keys())}")
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            _apply(getattr(obj, name), value, f"{key}.", source)
+        else:
+            try:
+                setattr(obj, name, _coerce(value, tp, key))
+            except ConfigError as exc:
+                raise ConfigError(f"{source}: {exc}") from None
+
+
+def _set_dotted(cfg: MilesConfig, key: str, raw: str, source: str) -> None:
+    parts = key.split(".")
+    nested: dict[str, Any] = {}
+    cursor = nested
+    for part in parts[:-1]:
+        cursor = cursor.setdefault(part, {})
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    if value is None and raw.lower() not in ("null", "none", "~"):
+        value = raw
+    if isinstance(value, str) and value.lower() == "none":
+        value = None
+    cursor[parts[-1]] = value
+    if len(parts) == 1:
+        raise ConfigError(f"{source}: '{key}' is not a config key; keys look like section.name{did_you_mean(key, _all_keys())}")
+    _apply(cfg, nested, "", source)
+
+
+def parse_cli_args(args: list[str]) -> list[tuple[str, str, str]]:
+    """Turn ``key=value``, ``--slime-flag value`` and ``--section.key=value`` into (key, value, source)."""
+    out = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--"):
+            flag, eq, value = arg.partition("=")
+            if flag in SLIME_FLAGS:
+                key = SLIME_FLAGS[flag]
+            elif "." in flag:
+                key = flag[2:].replace("-", "_")
+            else:
+                raise ConfigError(f"unknown option '{flag}'{did_you_mean(flag, list(SLIME_FLAGS) + ['--' + k for k in _all_keys()])}")
+            if not eq:
+                if i + 1 >= len(args):
+                    raise ConfigError(f"option '{flag}' needs a value")
+                i += 1
+                value = args[i]
+            out.append((key, value, f"option {flag}"))
+        elif "=" in arg:
+            key, _, value = arg.partition("=")
+            out.append((key.strip(), value, f"override '{arg}'"))
+        else:
+            raise ConfigError(f"cannot read argument '{arg}': overrides look like key=value (e.g. rollout.temperature=0.8)")
+        i += 1
+    return out
+
+
+def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> MilesConfig:
+    """The validated config of a run: defaults, then the recipe file, then the overrides in order."""
+    cfg = MilesConfig()
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ConfigError(f"recipe file '{path}' does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        _apply(cfg, data, "", str(path))
+    for key, value, source in parse_cli_args(list(overrides)):
+        _set_dotted(cfg, key, value, source)
+    cfg.validate()
+    return cfg
+
+
+def config_to_dict(cfg: MilesConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

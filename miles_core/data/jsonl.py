@@ -1,0 +1,73 @@
+"""Prompts from JSONL files: one JSON object per line, with configurable prompt and label keys.
+
+Every line is checked when the task is built, so a bad file fails at start-up with its path and
+line number, not in the middle of a run.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+from miles_core.errors import ConfigError, DataError
+from miles_core.types import Prompt
+
+
+def read_prompts(path: str, prompt_key: str, label_key: str) -> list[Prompt]:
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"data file '{path}' does not exist")
+    prompts = []
+    with file.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            if prompt_key not in row:
+                raise DataError(f"{path}:{lineno}: missing key '{prompt_key}' (set data.prompt_key)")
+            if not isinstance(row[prompt_key], str):
+                raise DataError(f"{path}:{lineno}: '{prompt_key}' must be a string")
+            meta = {k: v for k, v in row.items() if k not in (prompt_key, label_key)}
+            prompts.append(Prompt(text=row[prompt_key], label=row.get(label_key), metadata=meta))
+    if not prompts:
+        raise DataError(f"data file '{path}' has no prompts")
+    return prompts
+
+
+class JsonlTask:
+    """Prompts from ``data.train_path`` / ``data.eval_path``; the verifier is an exact match with the label."""
+
+    name = "jsonl"
+
+    def __init__(self, train_path: str, eval_path: str | None, prompt_key: str, label_key: str) -> None:
+        self.train = read_prompts(train_path, prompt_key, label_key)
+        self.eval = read_prompts(eval_path, prompt_key, label_key) if eval_path else []
+
+    def eval_prompts(self) -> list[Prompt]:
+        return list(self.eval)
+
+    def train_prompts(self, rng: random.Random) -> Iterator[Prompt]:
+        order = list(range(len(self.train)))
+        while True:
+            rng.shuffle(order)
+            for i in order:
+                yield self.train[i]
+
+    def score(self, response: str, label: object) -> float:
+        return 1.0 if label is not None and response.strip() == str(label).strip() else 0.0
+
+    def reference(self, prompt: Prompt) -> str | None:
+        return None if prompt.label is None else str(prompt.label)
+
+
+def jsonl_factory(cfg) -> JsonlTask:
+    if not cfg.train_path:
+        raise ConfigError("data.task=jsonl needs data.train_path (a JSONL file of prompts)")
+    return JsonlTask(cfg.train_path, cfg.eval_path, cfg.prompt_key, cfg.label_key)

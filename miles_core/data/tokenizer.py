@@ -1,0 +1,77 @@
+"""Tokenizers behind one small interface: a character tokenizer for the tiny built-in models,
+and HF tokenizers (``tokenizer.json`` in a checkpoint folder) for real ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+from miles_core.errors import ConfigError
+
+CHAR_TOKENIZER_FILE = "miles_char_tokenizer.json"
+DEFAULT_ALPHABET = "0123456789+-*=()<>?:,. abcdefghijklmnopqrstuvwxyz"
+
+
+class Tokenizer(Protocol):
+    pad_token_id: int
+    eos_token_id: int
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class CharTokenizer:
+    """One id per character; ids 0..2 are <pad>, <eos>, <unk>."""
+
+    SPECIALS = ("<pad>", "<eos>", "<unk>")
+
+    def __init__(self, alphabet: str = DEFAULT_ALPHABET) -> None:
+        self.alphabet = alphabet
+        self._to_id = {ch: i + len(self.SPECIALS) for i, ch in enumerate(alphabet)}
+        self.pad_token_id, self.eos_token_id, self.unk_token_id = 0, 1, 2
+        self.vocab_size = len(self.SPECIALS) + len(alphabet)
+
+    def encode(self, text: str) -> list[int]:
+        return [self._to_id.get(ch, self.unk_token_id) for ch in text]
+
+    def decode(self, ids: list[int]) -> str:
+        n = len(self.SPECIALS)
+        return "".join(self.alphabet[i - n] for i in ids if i >= n)
+
+    def to_json(self) -> str:
+        return json.dumps({"type": "char", "alphabet": self.alphabet})
+
+
+class HFTokenizer:
+    """A transformers tokenizer loaded from a checkpoint folder (offline)."""
+
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as exc:
+            raise ConfigError(f"cannot load a tokenizer from '{path}': {exc}") from None
+        self.eos_token_id = self.tok.eos_token_id
+        self.pad_token_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_token_id
+        self.vocab_size = len(self.tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def load_tokenizer(path: Path | None) -> Tokenizer:
+    """The tokenizer of a checkpoint folder, or the default character tokenizer."""
+    if path is None:
+        return CharTokenizer()
+    path = Path(path)
+    char_file = path / CHAR_TOKENIZER_FILE
+    if char_file.is_file():
+        return CharTokenizer(json.loads(char_file.read_text())["alphabet"])
+    return HFTokenizer(path)

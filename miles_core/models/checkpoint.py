@@ -1,0 +1,97 @@
+"""HF safetensors folders in and out. Writes are atomic: a folder appears whole or not at all."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from miles_core.errors import ConfigError
+from miles_core.models.base import ModelFamily
+from miles_core.plugins.registry import Registry
+
+
+def atomic_dir(dest: Path, write) -> None:
+    """Call ``write(tmp_dir)`` then move the finished folder to ``dest`` (replacing an old one)."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        write(tmp)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        old = None
+        if dest.exists():
+            old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+            os.replace(dest, old)
+        os.replace(tmp, dest)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_hf_folder(model: nn.Module, family: ModelFamily, dest: Path, extra_files: dict[str, str] | None = None) -> None:
+    cfg = model.config
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+
+    def write(tmp: Path) -> None:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(family.config_to_hf(cfg), indent=2))
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+
+    atomic_dir(dest, write)
+
+
+def read_hf_config(path: Path) -> dict:
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"model checkpoint '{path}' has no config.json (expected an HF safetensors folder)")
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{cfg_file}: not valid JSON ({exc})") from None
+
+
+def family_for(hf: dict, families: Registry, path: Path) -> ModelFamily:
+    model_type = hf.get("model_type", "")
+    for entry in families:
+        if model_type in entry.value.hf_model_types:
+            return entry.value
+    raise ConfigError(
+        f"model checkpoint '{path}' has model_type '{model_type}', which no model family handles "
+        f"(known: {', '.join(t for e in families for t in e.value.hf_model_types)})"
+    )
+
+
+def load_hf_folder(path: Path, families: Registry) -> tuple[nn.Module, ModelFamily]:
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"model checkpoint '{path}' does not exist")
+    hf = read_hf_config(path)
+    family = family_for(hf, families, path)
+    model = family.build(family.config_from_hf(hf))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model checkpoint '{path}' has no *.safetensors file")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ConfigError(
+            f"model checkpoint '{path}' does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    return model, family

@@ -1,0 +1,29 @@
+"""Reward and held-out accuracy curves as a PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def plot_curves(records: list[dict[str, Any]], png: Path, title: str = "") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rl = [r for r in records if r.get("phase") == "rl"]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    steps = [r["step"] for r in rl if "reward_mean" in r]
+    ax.plot(steps, [r["reward_mean"] for r in rl if "reward_mean" in r], label="train reward (mean)", color="#2563eb")
+    ev = [r for r in rl if r.get("eval_accuracy") is not None]
+    ax.plot([r["step"] for r in ev], [r["eval_accuracy"] for r in ev], "o-", label="held-out accuracy (greedy)", color="#16a34a")
+    ax.set_xlabel("RL step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title or "Miles run")
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
+    return Path(png)

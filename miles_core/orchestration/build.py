@@ -1,0 +1,122 @@
+"""Build every component of a run from its config and the plugin registries.
+
+``miles validate`` calls this and stops; ``miles run`` then hands the result to the loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from miles_core.config.schema import MilesConfig
+from miles_core.context import RunContext
+from miles_core.data.base import Task
+from miles_core.data.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer, load_tokenizer
+from miles_core.errors import ConfigError
+from miles_core.kernels.base import Kernels
+from miles_core.models.base import ModelFamily
+from miles_core.models.checkpoint import load_hf_folder
+from miles_core.models.decoder import DecoderConfig
+from miles_core.platforms import select_platform
+from miles_core.plugins.manager import MilesPlugins
+from miles_core.rewards.custom import check_reward_fn, load_reward_path
+from miles_core.rewards.base import RewardFn
+
+
+@dataclass
+class Components:
+    ctx: RunContext
+    task: Task
+    family: ModelFamily
+    model: nn.Module  # the initial policy (the trainer and the engine each take their own copy)
+    reward_fn: RewardFn
+    reward_name: str
+    advantage_estimator: Any
+    policy_loss: Any
+    sft_loss: Any
+    backend_factory: Any
+    trainer_factory: Any
+    transport: Any
+
+
+def build_model(cfg: MilesConfig, plugins: MilesPlugins, tokenizer) -> tuple[nn.Module, ModelFamily]:
+    families = plugins.registries.model_families
+    source = cfg.run.load or cfg.model.hf_checkpoint
+    if source:
+        return load_hf_folder(Path(source), families)
+    m = cfg.model
+    family = families.get(m.family, key="model.family")
+    dcfg = DecoderConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        intermediate_size=m.intermediate_size,
+        rope_theta=m.rope_theta,
+        qk_norm=family.qk_norm,
+        tie_word_embeddings=m.tie_word_embeddings,
+        max_position_embeddings=m.max_seq_len,
+    )
+    return family.build(dcfg), family
+
+
+def resolve_reward(cfg: MilesConfig, plugins: MilesPlugins, task: Task) -> tuple[RewardFn, str]:
+    name = cfg.reward.name
+    if name == "task":
+        return (lambda s: task.score(s.response, s.label)), f"task:{cfg.data.task}"
+    if ":" in name:
+        return load_reward_path(name), name
+    return check_reward_fn(plugins.registries.rewards.get(name, key="reward.name"), name), name
+
+
+def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> Components:
+    regs = plugins.registries
+    torch.manual_seed(cfg.run.seed)
+    random.seed(cfg.run.seed)
+    if cfg.run.num_threads > 0:
+        torch.set_num_threads(cfg.run.num_threads)
+    platform, device = select_platform(regs.platforms, cfg.run.device)
+    source = cfg.run.load or cfg.model.hf_checkpoint
+    tokenizer = load_tokenizer(Path(source)) if source else CharTokenizer()
+    kernels = Kernels(plugins, platform.name)
+    ctx = RunContext(cfg, plugins, tokenizer, device, platform.name, kernels, output_dir)
+    task = regs.tasks.get(cfg.data.task, key="data.task")(cfg.data)
+    if not task.eval_prompts():
+        raise ConfigError(f"task '{cfg.data.task}' has no held-out prompts (set data.eval_path)")
+    reward_fn, reward_name = resolve_reward(cfg, plugins, task)
+    model, family = build_model(cfg, plugins, tokenizer)
+    if model.config.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"the model's vocab ({model.config.vocab_size}) is smaller than the tokenizer's ({tokenizer.vocab_size})")
+    algo = cfg.algorithm
+    estimator = regs.advantage_estimators.get(algo.advantage_estimator, key="algorithm.advantage_estimator")
+    loss = regs.policy_losses.get(algo.policy_loss, key="algorithm.policy_loss")
+    sft = regs.policy_losses.get("sft", key="train.sft_warmup_steps") if cfg.train.sft_warmup_steps else None
+    regs.precision_recipes.get(cfg.train.precision, key="train.precision")
+    return Components(
+        ctx=ctx,
+        task=task,
+        family=family,
+        model=model,
+        reward_fn=reward_fn,
+        reward_name=reward_name,
+        advantage_estimator=estimator,
+        policy_loss=functools.partial(loss, cfg=algo),
+        sft_loss=None if sft is None else functools.partial(sft, cfg=algo),
+        backend_factory=regs.rollout_backends.get(cfg.rollout.backend, key="rollout.backend"),
+        trainer_factory=regs.trainers.get(cfg.train.backend, key="train.backend"),
+        transport=regs.weight_transports.get(cfg.sync.transport, key="sync.transport")(ctx),
+    )
+
+
+def tokenizer_files(tokenizer) -> dict[str, str]:
+    """Files to save beside a checkpoint so that it reloads with the same tokenizer."""
+    if isinstance(tokenizer, CharTokenizer):
+        return {CHAR_TOKENIZER_FILE: tokenizer.to_json()}
+    return {}

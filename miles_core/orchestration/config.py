@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from miles_core.errors import ConfigError
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    seed: int = 0  # (--seed)
+    num_rollout: int = 20  # RL steps (--num-rollout)
+    eval_every: int = 5  # held-out eval every N steps (and before the first and after the last)
+    output_dir: str = "runs"  # each run writes to output_dir/<name>-<timestamp>/
+    save: str | None = None  # (--save) write the final model here as an HF safetensors folder
+    load: str | None = None  # (--load) start from this HF safetensors folder
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    num_threads: int = 0  # torch CPU threads; 0 leaves torch's default
+
+    def validate(self) -> None:
+        if self.num_rollout < 0:
+            raise ConfigError(f"run.num_rollout must be >= 0, got {self.num_rollout}")
+        if self.eval_every < 1:
+            raise ConfigError(f"run.eval_every must be >= 1, got {self.eval_every}")

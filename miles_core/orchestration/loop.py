@@ -1,0 +1,169 @@
+"""The synchronous, on-policy RL loop: rollout -> reward -> advantage -> train -> weight sync."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from typing import Any
+
+import torch
+
+from miles_core.orchestration.build import Components
+from miles_core.rewards.runner import score_samples
+from miles_core.rollout.base import SamplingParams
+from miles_core.train.batch import make_train_batch
+from miles_core.types import AdvantageInputs, Prompt, Sample
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    def __call__(self, name: str):
+        timer = self
+
+        class _Span:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.times[f"time_{name}"] = timer.times.get(f"time_{name}", 0.0) + time.perf_counter() - self.t0
+
+        return _Span()
+
+
+def _tokenize(prompts: list[Prompt], tokenizer) -> list[Prompt]:
+    for p in prompts:
+        if not p.prompt_ids:
+            p.prompt_ids = tokenizer.encode(p.text)
+    return prompts
+
+
+def _reference_samples(prompts: list[Prompt], task, tokenizer) -> list[Sample]:
+    samples = []
+    for i, p in enumerate(prompts):
+        ref = task.reference(p)
+        if ref is None:
+            continue
+        resp = tokenizer.encode(ref) + [tokenizer.eos_token_id]
+        samples.append(Sample(p.text, p.prompt_ids, resp, ref, [], p.label, group_id=i, index=i))
+    return samples
+
+
+def evaluate(c: Components, backend, prompts: list[Prompt]) -> dict[str, float]:
+    """Greedy decoding on the held-out prompts: task accuracy and mean reward."""
+    cfg = c.ctx.config
+    params = SamplingParams(max_new_tokens=cfg.rollout.max_response_len, temperature=0.0, stop=cfg.rollout.stop)
+    samples = backend.generate(prompts, params, n=1)
+    correct = [c.task.score(s.response, s.label) >= 1.0 for s in samples]
+    rewards = score_samples(c.reward_fn, c.reward_name, samples, cfg.reward.timeout_s)
+    return {"eval_accuracy": sum(correct) / len(correct), "eval_reward": sum(rewards) / len(rewards)}
+
+
+def rl_step(c: Components, backend, trainer, prompts: list[Prompt], step: int, timer: Timer) -> tuple[list[Sample], dict[str, Any]]:
+    cfg = c.ctx.config
+    tok = c.ctx.tokenizer
+    r = cfg.rollout
+    params = SamplingParams(r.max_response_len, r.temperature, r.top_p, r.top_k, stop=r.stop)
+    with timer("rollout"):
+        samples = backend.generate(prompts, params, n=r.n_samples_per_prompt)
+    with timer("reward"):
+        rewards = score_samples(c.reward_fn, c.reward_name, samples, cfg.reward.timeout_s)
+    c.ctx.plugins.after_rollout(c.ctx, step, samples)
+    batch = make_train_batch(samples, tok.pad_token_id)
+    with timer("logprobs"):
+        batch.old_logprobs = trainer.compute_logprobs(batch)
+    with timer("advantage"):
+        adv = c.advantage_estimator(
+            AdvantageInputs(
+                rewards=torch.tensor(rewards),
+                group_ids=torch.tensor([s.group_id for s in samples]),
+                response_mask=batch.response_mask,
+                old_logprobs=batch.old_logprobs,
+            ),
+            cfg.algorithm,
+        )
+        batch.advantages, batch.returns = adv.advantages, adv.returns
+    metrics: dict[str, Any] = {}
+    with timer("train"):
+        order = torch.randperm(batch.num_samples)
+        for part in order.chunk(cfg.train.updates_per_rollout):
+            metrics = trainer.train_step(batch.select(part), c.policy_loss)
+    mask = batch.response_mask
+    n_tokens = float(mask.sum())
+    metrics.update(
+        reward_mean=sum(rewards) / len(rewards),
+        train_accuracy=sum(c.task.score(s.response, s.label) >= 1.0 for s in samples) / len(samples),
+        response_len=n_tokens / len(samples),
+        mismatch_abs=float(((batch.rollout_logprobs - batch.old_logprobs).abs() * mask).sum() / max(n_tokens, 1)),
+        rollout_tok_s=n_tokens / max(timer.times["time_rollout"], 1e-9),
+    )
+    return samples, metrics
+
+
+def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
+    """Run warm-up and RL steps; ``on_metrics(record)`` receives each step's metrics dict.
+
+    Returns the summary and the trainer (which holds the final weights)."""
+    ctx, cfg = c.ctx, c.ctx.config
+    trainer = c.trainer_factory(ctx, c.model)
+    backend = c.backend_factory(ctx, c.model)
+    tok = ctx.tokenizer
+    stream = c.task.train_prompts(random.Random(cfg.run.seed))
+    eval_prompts = _tokenize(c.task.eval_prompts(), tok)
+    version = 0
+    ctx.plugins.run_start(ctx)
+    summary: dict[str, Any] = {"status": "failed"}
+    history: list[dict[str, Any]] = []
+    try:
+        t = cfg.train
+        for w in range(t.sft_warmup_steps):
+            timer = Timer()
+            prompts = _tokenize(list(itertools.islice(stream, t.sft_batch_size)), tok)
+            batch = make_train_batch(_reference_samples(prompts, c.task, tok), tok.pad_token_id)
+            with timer("train"):
+                m = trainer.train_step(batch, c.sft_loss, temperature=1.0, lr=t.sft_lr or t.lr)
+            on_metrics({"phase": "sft", "step": w + 1 - t.sft_warmup_steps, **m, **timer.times})
+        if t.sft_warmup_steps:
+            version += 1
+            c.transport.push(trainer.weights(), version, backend)
+            ctx.plugins.after_weight_sync(ctx, version)
+        record = {"phase": "rl", "step": 0, "weight_version": version, **evaluate(c, backend, eval_prompts)}
+        history.append(record)
+        on_metrics(record)
+        for step in range(1, cfg.run.num_rollout + 1):
+            timer = Timer()
+            t0 = time.perf_counter()
+            prompts = _tokenize(list(itertools.islice(stream, cfg.rollout.batch_size)), tok)
+            for p in prompts:
+                p.metadata.setdefault("step", step)
+            samples, metrics = rl_step(c, backend, trainer, prompts, step, timer)
+            ctx.plugins.after_train_step(ctx, step, metrics)
+            with timer("sync"):
+                version += 1
+                c.transport.push(trainer.weights(), version, backend)
+            ctx.plugins.after_weight_sync(ctx, version)
+            if step % cfg.run.eval_every == 0 or step == cfg.run.num_rollout:
+                with timer("eval"):
+                    metrics.update(evaluate(c, backend, eval_prompts))
+            record = {"phase": "rl", "step": step, "weight_version": version, **metrics, **timer.times}
+            record["time_step"] = time.perf_counter() - t0
+            history.append(record)
+            on_metrics(record)
+        evals = [h for h in history if "eval_accuracy" in h]
+        summary = {
+            "status": "completed",
+            "steps": cfg.run.num_rollout,
+            "weight_version": version,
+            "eval_accuracy_first": evals[0]["eval_accuracy"],
+            "eval_accuracy_last": evals[-1]["eval_accuracy"],
+            "eval_accuracy_gain": evals[-1]["eval_accuracy"] - evals[0]["eval_accuracy"],
+        }
+        return summary, trainer
+    except KeyboardInterrupt:
+        summary = {"status": "interrupted"}
+        raise
+    finally:
+        ctx.plugins.run_end(ctx, summary)
+        backend.shutdown()

@@ -1,0 +1,68 @@
+"""One `miles run`: plugins, config, components, the loop, and what it leaves in the output folder."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+
+from miles_core.config.schema import MilesConfig
+from miles_core.models.checkpoint import save_hf_folder
+from miles_core.observe.metrics import MetricsLog
+from miles_core.observe.plot import plot_curves
+from miles_core.observe.view import LiveView, plugins_table, summary_table
+from miles_core.orchestration.build import build, tokenizer_files
+from miles_core.orchestration.loop import run_loop
+from miles_core.plugins.manager import MilesPlugins
+
+
+def new_output_dir(cfg: MilesConfig) -> Path:
+    base = Path(cfg.run.output_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = base / f"{cfg.run.name}-{stamp}"
+    i = 1
+    while out.exists():
+        out = base / f"{cfg.run.name}-{stamp}-{i}"
+        i += 1
+    out.mkdir(parents=True)
+    return out
+
+
+def run(cfg: MilesConfig, plugins: MilesPlugins, console: Console | None = None) -> dict[str, Any]:
+    console = console or Console()
+    console.print(plugins_table(plugins.info()))
+    out = new_output_dir(cfg)
+    (out / "config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
+    c = build(cfg, plugins, out)
+    console.print(
+        f"[bold]run[/] {cfg.run.name}: task {cfg.data.task}, {cfg.algorithm.advantage_estimator} + "
+        f"{cfg.algorithm.policy_loss}, reward {c.reward_name}, device {c.ctx.device}, "
+        f"{sum(p.numel() for p in c.model.parameters()):,} parameters -> {out}"
+    )
+    log = MetricsLog(out / "metrics.jsonl")
+    records: list[dict[str, Any]] = []
+
+    def on_metrics(record: dict[str, Any]) -> None:
+        records.append(record)
+        log.write(record)
+        view.update(record)
+
+    try:
+        with LiveView(console, cfg.run.num_rollout, cfg.train.sft_warmup_steps) as view:
+            summary, trainer = run_loop(c, on_metrics)
+    finally:
+        log.close()
+        if records:
+            plot_curves(records, out / "curves.png", title=f"{cfg.run.name}: {cfg.data.task}")
+    if cfg.run.save:
+        save_hf_folder(trainer.model, c.family, Path(cfg.run.save), tokenizer_files(c.ctx.tokenizer))
+        summary["saved"] = cfg.run.save
+    summary["output_dir"] = str(out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    console.print(summary_table({k: v for k, v in summary.items() if k != "output_dir"}, out))
+    return summary

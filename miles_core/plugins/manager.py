@@ -1,0 +1,183 @@
+"""A fresh pluggy manager per run, with a typed facade so call sites never name hooks as strings.
+
+Loading order: the built-in plugins (``miles_core.plugins.builtin``), then every entry point in
+the group ``miles``. ``blocked`` names (``-p no:NAME``) are never registered; set
+``MILES_DISABLE_PLUGIN_AUTOLOAD=1`` to skip entry points, ``MILES_TRACE_PLUGINS=1`` to print every
+hook call to stderr.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from typing import Any
+
+import pluggy
+
+from miles_core import hookspecs
+from miles_core.errors import PluginError
+from miles_core.plugins.builtin import BUILTIN_PLUGINS
+from miles_core.plugins.registry import Registry
+
+
+@dataclass
+class Registries:
+    """One registry per kind of component; field name = hook suffix (miles_register_<field>)."""
+
+    tasks: Registry = field(default_factory=lambda: Registry("task"))
+    rewards: Registry = field(default_factory=lambda: Registry("reward"))
+    rollout_backends: Registry = field(default_factory=lambda: Registry("rollout backend"))
+    trainers: Registry = field(default_factory=lambda: Registry("trainer"))
+    advantage_estimators: Registry = field(default_factory=lambda: Registry("advantage estimator"))
+    policy_losses: Registry = field(default_factory=lambda: Registry("policy loss"))
+    weight_transports: Registry = field(default_factory=lambda: Registry("weight transport"))
+    precision_recipes: Registry = field(default_factory=lambda: Registry("precision recipe"))
+    kernels: Registry = field(default_factory=lambda: Registry("kernel"))
+    platforms: Registry = field(default_factory=lambda: Registry("platform"))
+    model_families: Registry = field(default_factory=lambda: Registry("model family"))
+
+    def items(self) -> Iterable[tuple[str, Registry]]:
+        for f in fields(self):
+            yield f.name, getattr(self, f.name)
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    name: str
+    version: str
+    builtin: bool
+    hooks: tuple[str, ...]
+    registered: dict[str, list[str]]  # registry field -> names this plugin added
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "version": self.version,
+            "builtin": self.builtin,
+            "hooks": list(self.hooks),
+            "registered": self.registered,
+        }
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+class MilesPlugins:
+    """The plugin manager for one run."""
+
+    def __init__(
+        self,
+        blocked: Iterable[str] = (),
+        *,
+        autoload: bool | None = None,
+        trace: bool | None = None,
+        extra_plugins: Iterable[tuple[str, object]] = (),
+    ) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs.MilesSpecs)
+        self.blocked = tuple(blocked)
+        self._versions: dict[str, str] = {}
+        self._builtin: set[str] = set()
+        for name in self.blocked:
+            self.pm.set_blocked(name)
+        if trace if trace is not None else _env_flag("MILES_TRACE_PLUGINS"):
+            self.pm.trace.root.setwriter(lambda msg: sys.stderr.write(msg))
+            self.pm.enable_tracing()
+        self._load_builtins()
+        autoload = (not _env_flag("MILES_DISABLE_PLUGIN_AUTOLOAD")) if autoload is None else autoload
+        if autoload:
+            self._load_entry_points()
+        for name, plugin in extra_plugins:
+            self.register(plugin, name)
+        self._check()
+
+    # ------------------------------------------------------------------ loading
+    def _load_builtins(self) -> None:
+        from miles_core import __version__
+
+        for name, module_path in BUILTIN_PLUGINS:
+            if self.pm.is_blocked(name):
+                continue
+            self.pm.register(importlib.import_module(module_path), name)
+            self._versions[name] = __version__
+            self._builtin.add(name)
+
+    def _load_entry_points(self) -> None:
+        for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT):
+            if self.pm.is_blocked(ep.name) or self.pm.get_plugin(ep.name) is not None:
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # a broken third-party package must say which one it is
+                raise PluginError(f"plugin '{ep.name}' ({ep.value}) failed to import: {exc}") from exc
+            self.register(plugin, ep.name)
+            if ep.dist is not None:
+                self._versions[ep.name] = ep.dist.version
+
+    def register(self, plugin: object, name: str) -> None:
+        try:
+            self.pm.register(plugin, name)
+        except ValueError as exc:
+            raise PluginError(f"cannot register plugin '{name}': {exc}") from exc
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"plugin '{name}' is invalid: {exc}") from exc
+
+    def _check(self) -> None:
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(
+                f"plugin '{exc.plugin_name}' implements a hook that Miles does not define: {exc}"
+            ) from exc
+
+    # ------------------------------------------------------------------ registries
+    @cached_property
+    def registries(self) -> Registries:
+        """Every registry, filled by calling each plugin's registration hooks one plugin at a time."""
+        regs = Registries()
+        names = [n for n, _ in self.pm.list_name_plugin()]
+        for kind, registry in regs.items():
+            hook_name = f"miles_register_{kind}"
+            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+                registry._bind(impl.plugin_name)
+                others = [self.pm.get_plugin(n) for n in names if n != impl.plugin_name]
+                self.pm.subset_hook_caller(hook_name, remove_plugins=others)(registry=registry)
+            registry._bind("<unknown>")
+        return regs
+
+    def plugin_names(self) -> list[str]:
+        return [name for name, _ in self.pm.list_name_plugin()]
+
+    def info(self) -> list[PluginInfo]:
+        regs = self.registries
+        out = []
+        for name, plugin in self.pm.list_name_plugin():
+            hooks = tuple(sorted(h.name for h in self.pm.get_hookcallers(plugin) or ()))
+            registered = {kind: reg.by_plugin(name) for kind, reg in regs.items() if reg.by_plugin(name)}
+            out.append(PluginInfo(name, self._versions.get(name, "?"), name in self._builtin, hooks, registered))
+        return out
+
+    # ------------------------------------------------------------------ typed hook calls
+    def kernel_select(self, op: str, platform: str, candidates: list) -> Any:
+        return self.pm.hook.miles_kernel_select(op=op, platform=platform, candidates=candidates)
+
+    def run_start(self, ctx: Any) -> None:
+        self.pm.hook.miles_run_start(ctx=ctx)
+
+    def after_rollout(self, ctx: Any, step: int, samples: list) -> None:
+        self.pm.hook.miles_after_rollout(ctx=ctx, step=step, samples=samples)
+
+    def after_train_step(self, ctx: Any, step: int, metrics: dict) -> None:
+        self.pm.hook.miles_after_train_step(ctx=ctx, step=step, metrics=metrics)
+
+    def after_weight_sync(self, ctx: Any, version: int) -> None:
+        self.pm.hook.miles_after_weight_sync(ctx=ctx, version=version)
+
+    def run_end(self, ctx: Any, summary: dict) -> None:
+        self.pm.hook.miles_run_end(ctx=ctx, summary=summary)

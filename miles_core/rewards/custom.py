@@ -1,0 +1,48 @@
+"""User reward functions given as ``module:function``, checked at start-up."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from pathlib import Path
+
+from miles_core.errors import ConfigError
+from miles_core.rewards.base import RewardFn
+
+
+def check_reward_fn(fn: object, where: str) -> RewardFn:
+    """The protocol every reward meets, registered or given by path: callable with one sample."""
+    if not callable(fn):
+        raise ConfigError(f"reward '{where}' is not callable (a reward is fn(sample) -> float)")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn
+    try:
+        sig.bind(object())
+    except TypeError:
+        raise ConfigError(f"reward '{where}' must accept one argument, the sample; its signature is {sig}") from None
+    return fn
+
+
+def load_reward_path(spec: str) -> RewardFn:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"reward.name '{spec}' is not 'module:function'")
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # like `python -m`, let users point at local modules
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            raise ConfigError(f"reward.name '{spec}': module '{module_name}' not found") from None
+        raise ConfigError(f"reward.name '{spec}': importing '{module_name}' failed: {exc}") from None
+    except Exception as exc:
+        raise ConfigError(f"reward.name '{spec}': importing '{module_name}' raised {type(exc).__name__}: {exc}") from None
+    if not hasattr(module, attr):
+        names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
+        from miles_core.errors import did_you_mean
+
+        raise ConfigError(f"reward.name '{spec}': module '{module_name}' has no function '{attr}'{did_you_mean(attr, names)}")
+    return check_reward_fn(getattr(module, attr), spec)

@@ -1,0 +1,49 @@
+"""Score samples with a reward function: sync or async, each under a timeout.
+
+An exception in reward code stops the run with one line naming the reward and the sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+
+from miles_core.errors import MilesUserError
+from miles_core.rewards.base import RewardFn
+from miles_core.types import Sample
+
+
+class RewardError(MilesUserError):
+    pass
+
+
+def _check(value: object, name: str, sample: Sample) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RewardError(f"reward '{name}' returned {value!r} for sample {sample.index}; it must return a finite number")
+    return float(value)
+
+
+async def _score_all(fn: RewardFn, name: str, samples: list[Sample], timeout: float) -> list[float]:
+    async def one(sample: Sample) -> float:
+        try:
+            value = fn(sample)
+            if inspect.isawaitable(value):
+                value = await asyncio.wait_for(value, timeout)
+        except asyncio.TimeoutError:
+            raise RewardError(f"reward '{name}' timed out after {timeout}s on sample {sample.index}") from None
+        except MilesUserError:
+            raise
+        except Exception as exc:
+            raise RewardError(f"reward '{name}' raised {type(exc).__name__}: {exc} (sample {sample.index}, prompt {sample.prompt!r})") from None
+        return _check(value, name, sample)
+
+    return list(await asyncio.gather(*(one(s) for s in samples)))
+
+
+def score_samples(fn: RewardFn, name: str, samples: list[Sample], timeout: float) -> list[float]:
+    """Set ``sample.reward`` on every sample and return the rewards in order."""
+    rewards = asyncio.run(_score_all(fn, name, samples, timeout))
+    for s, r in zip(samples, rewards):
+        s.reward = r
+    return rewards

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from miles_core.errors import ConfigError
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "builtin"  # a registered rollout backend
+    batch_size: int = 16  # prompts per step (--rollout-batch-size)
+    n_samples_per_prompt: int = 8  # group size (--n-samples-per-prompt)
+    max_response_len: int = 32  # new tokens per sample (--rollout-max-response-len)
+    temperature: float = 1.0  # (--rollout-temperature); 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    stop: list[str] = field(default_factory=list)  # stop strings, besides the tokenizer's eos
+    max_batch_size: int = 512  # sequences the engine decodes at once
+
+    def validate(self) -> None:
+        if self.batch_size < 1:
+            raise ConfigError(f"rollout.batch_size must be >= 1, got {self.batch_size}")
+        if self.n_samples_per_prompt < 1:
+            raise ConfigError(f"rollout.n_samples_per_prompt must be >= 1, got {self.n_samples_per_prompt}")
+        if self.max_response_len < 1:
+            raise ConfigError(f"rollout.max_response_len must be >= 1, got {self.max_response_len}")
+        if self.temperature < 0:
+            raise ConfigError(f"rollout.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"rollout.top_k must be >= 0, got {self.top_k}")

@@ -1,0 +1,33 @@
+"""Samples -> a padded :class:`TrainBatch`."""
+
+from __future__ import annotations
+
+import torch
+
+from miles_core.types import Sample, TrainBatch
+
+
+def make_train_batch(samples: list[Sample], pad_id: int, advantages: torch.Tensor | None = None) -> TrainBatch:
+    n = len(samples)
+    total = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    t_max = max(max(len(s.response_ids) for s in samples), 1)
+    input_ids = torch.full((n, total), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, t_max))
+    rollout_lp = torch.zeros((n, t_max))
+    for i, s in enumerate(samples):
+        seq = s.prompt_ids + s.response_ids
+        input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        r = len(s.response_ids)
+        lm = s.loss_mask if s.loss_mask is not None else [1] * r
+        mask[i, :r] = torch.tensor(lm, dtype=torch.float32)
+        if s.rollout_logprobs:
+            rollout_lp[i, :r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+    return TrainBatch(
+        input_ids=input_ids,
+        prompt_lens=torch.tensor([len(s.prompt_ids) for s in samples]),
+        response_lens=torch.tensor([len(s.response_ids) for s in samples]),
+        response_mask=mask,
+        advantages=advantages if advantages is not None else torch.zeros((n, t_max)),
+        old_logprobs=torch.zeros((n, t_max)),
+        rollout_logprobs=rollout_lp,
+    )

@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from miles_core.errors import ConfigError
+
+
+@dataclass
+class TrainConfig:
+    backend: str = "torch"  # a registered trainer
+    precision: str = "fp32"  # a registered precision recipe
+    lr: float = 1e-3  # (--lr)
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    micro_batch_size: int = 64  # samples per forward/backward
+    updates_per_rollout: int = 1  # optimizer steps per rollout batch (the batch is split evenly)
+    sft_warmup_steps: int = 0  # supervised steps on the task's reference answers before RL
+    sft_batch_size: int = 64
+    sft_lr: float | None = None  # None = lr
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if self.micro_batch_size < 1:
+            raise ConfigError(f"train.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.updates_per_rollout < 1:
+            raise ConfigError(f"train.updates_per_rollout must be >= 1, got {self.updates_per_rollout}")
+        if self.sft_warmup_steps < 0:
+            raise ConfigError(f"train.sft_warmup_steps must be >= 0, got {self.sft_warmup_steps}")
