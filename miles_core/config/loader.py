@@ -111,6 +111,11 @@ def _set_dotted(cfg: MilesConfig, key: str, raw: str, source: str) -> None:
         value = raw
     if isinstance(value, str) and value.lower() == "none":
         value = None
+    elif isinstance(value, str):
+        try:  # YAML 1.1 reads "2e-5" as a string; on the command line it is a number
+            value = float(value)
+        except ValueError:
+            pass
     cursor[parts[-1]] = value
     if len(parts) == 1:
         raise ConfigError(f"{source}: '{key}' is not a config key; keys look like section.name{did_you_mean(key, _all_keys())}")

@@ -44,6 +44,7 @@ class LiveView:
 
     def __init__(self, console: Console, total_steps: int, warmup_steps: int, keep: int = 12) -> None:
         self.console = console
+        self.warmup_steps = warmup_steps
         self.rows: list[dict[str, Any]] = []
         self.keep = keep
         self.progress = Progress(
@@ -77,8 +78,9 @@ class LiveView:
     def update(self, record: dict[str, Any]) -> None:
         if record.get("phase") == "sft":
             self.progress.advance(self.warm_task)
-            if not self.live and (record["step"] == 0 or record["step"] % 20 == 0):
-                self.console.print(f"sft warm-up {record['step']}: nll {record.get('nll', float('nan')):.4f}")
+            step = record["step"]
+            if not self.live and (step == 1 or step % 20 == 0 or step == self.warmup_steps):
+                self.console.print(f"sft warm-up {step}/{self.warmup_steps}: nll {record.get('nll', float('nan')):.4f}")
         else:
             self.rows.append(record)
             if record["step"] > 0:

@@ -124,7 +124,7 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             batch = make_train_batch(_reference_samples(prompts, c.task, tok), tok.pad_token_id)
             with timer("train"):
                 m = trainer.train_step(batch, c.sft_loss, temperature=1.0, lr=t.sft_lr or t.lr)
-            on_metrics({"phase": "sft", "step": w + 1 - t.sft_warmup_steps, **m, **timer.times})
+            on_metrics({"phase": "sft", "step": w + 1, **m, **timer.times})
         if t.sft_warmup_steps:
             version += 1
             c.transport.push(trainer.weights(), version, backend)

@@ -132,16 +132,15 @@ class MilesPlugins:
         try:
             self.pm.check_pending()
         except pluggy.PluginValidationError as exc:
-            raise PluginError(
-                f"plugin '{exc.plugin_name}' implements a hook that Miles does not define: {exc}"
-            ) from exc
+            name = self.pm.get_name(exc.plugin) if exc.plugin is not None else "?"
+            raise PluginError(f"plugin '{name}' implements a hook that Miles does not define: {exc}") from exc
 
     # ------------------------------------------------------------------ registries
     @cached_property
     def registries(self) -> Registries:
         """Every registry, filled by calling each plugin's registration hooks one plugin at a time."""
         regs = Registries()
-        names = [n for n, _ in self.pm.list_name_plugin()]
+        names = self.plugin_names()
         for kind, registry in regs.items():
             hook_name = f"miles_register_{kind}"
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
@@ -151,13 +150,16 @@ class MilesPlugins:
             registry._bind("<unknown>")
         return regs
 
+    def _loaded(self) -> list[tuple[str, object]]:
+        return [(name, plugin) for name, plugin in self.pm.list_name_plugin() if plugin is not None]  # None = blocked
+
     def plugin_names(self) -> list[str]:
-        return [name for name, _ in self.pm.list_name_plugin()]
+        return [name for name, _ in self._loaded()]
 
     def info(self) -> list[PluginInfo]:
         regs = self.registries
         out = []
-        for name, plugin in self.pm.list_name_plugin():
+        for name, plugin in self._loaded():
             hooks = tuple(sorted(h.name for h in self.pm.get_hookcallers(plugin) or ()))
             registered = {kind: reg.by_plugin(name) for kind, reg in regs.items() if reg.by_plugin(name)}
             out.append(PluginInfo(name, self._versions.get(name, "?"), name in self._builtin, hooks, registered))

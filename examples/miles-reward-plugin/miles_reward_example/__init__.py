@@ -1,0 +1,1 @@
+"""Template Miles plugin (see plugin.py)."""

@@ -1,0 +1,40 @@
+"""HF safetensors folders: transformers loads what Miles saves; writes are atomic."""
+
+import pytest
+import torch
+
+from miles_core.models.checkpoint import atomic_dir, load_hf_folder, save_hf_folder
+from miles_core.models.decoder import Decoder, DecoderConfig
+from miles_core.plugins.manager import MilesPlugins
+
+
+@pytest.mark.parametrize("family,qk_norm", [("llama", False), ("qwen3", True)])
+def test_transformers_loads_the_export_with_the_same_logits(tmp_path, family, qk_norm):
+    transformers = pytest.importorskip("transformers")
+    regs = MilesPlugins(autoload=False).registries
+    fam = regs.model_families.get(family)
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, qk_norm=qk_norm))
+    save_hf_folder(model, fam, tmp_path / "ckpt")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", local_files_only=True).eval()
+    ids = torch.randint(0, 50, (2, 9))
+    ours = model.lm_head(model(ids))
+    theirs = hf(ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    back, fam2 = load_hf_folder(tmp_path / "ckpt", regs.model_families)
+    assert fam2.name == family
+    torch.testing.assert_close(back.lm_head(back(ids)), ours)
+
+
+def test_atomic_dir_keeps_the_old_folder_when_a_write_fails(tmp_path):
+    dest = tmp_path / "ckpt"
+    atomic_dir(dest, lambda d: (d / "a.txt").write_text("v1"))
+
+    def broken(d):
+        (d / "a.txt").write_text("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        atomic_dir(dest, broken)
+    assert (dest / "a.txt").read_text() == "v1"
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary folder left behind

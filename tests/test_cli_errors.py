@@ -1,0 +1,51 @@
+"""User errors: one clear line on stderr, exit code 2, no traceback."""
+
+import pytest
+
+
+def _one_line_error(proc):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error:")
+    return lines[0]
+
+
+def test_config_typo(cli, tmp_path):
+    line = _one_line_error(cli("run", "rollout.temprature=0.5", f"run.output_dir={tmp_path}"))
+    assert "rollout.temprature" in line and "did you mean 'rollout.temperature'" in line
+
+
+def test_missing_data_file(cli, tmp_path):
+    line = _one_line_error(cli("run", "data.task=jsonl", "data.task_options={}", f"data.train_path={tmp_path}/missing.jsonl", f"run.output_dir={tmp_path}"))
+    assert "missing.jsonl" in line and "does not exist" in line
+
+
+def test_reward_function_that_does_not_exist(cli, tmp_path):
+    (tmp_path / "myrewards.py").write_text("def score(sample):\n    return 1.0\n")
+    line = _one_line_error(cli("run", "reward.name=myrewards:scor", f"run.output_dir={tmp_path}", cwd=tmp_path))
+    assert "myrewards:scor" in line and "no function 'scor'" in line and "did you mean 'score'" in line
+
+
+def test_reward_module_that_does_not_exist(cli, tmp_path):
+    line = _one_line_error(cli("validate", "reward.name=nosuchmodule:fn"))
+    assert "module 'nosuchmodule' not found" in line
+
+
+def test_bad_jsonl_line_names_file_and_line(cli, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a?", "label": "a"}\n{"prompt": oops}\n')
+    line = _one_line_error(cli("validate", "data.task=jsonl", "data.task_options={}", f"data.train_path={data}", f"data.eval_path={data}"))
+    assert "d.jsonl:2: not valid JSON" in line
+
+
+def test_unknown_component_name(cli):
+    line = _one_line_error(cli("validate", "algorithm.advantage_estimator=grpp"))
+    assert "unknown advantage estimator 'grpp' (config key 'algorithm.advantage_estimator') (did you mean 'grpo'?)" in line
+
+
+def test_validate_ok(cli):
+    out = cli("validate")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok:") and "task reverse" in out.stdout

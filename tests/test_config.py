@@ -1,0 +1,83 @@
+"""Config: YAML recipes, key=value overrides, slime flags, and errors that name the key."""
+
+import pytest
+
+from miles_core.config.loader import load_config
+from miles_core.errors import ConfigError
+
+
+def test_defaults_validate():
+    cfg = load_config()
+    assert cfg.algorithm.advantage_estimator == "grpo" and cfg.rollout.batch_size == 16
+
+
+def test_recipe_then_overrides_then_flags(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("rollout:\n  temperature: 0.7\n  batch_size: 8\ntrain:\n  lr: 0.01\n")
+    cfg = load_config(recipe, ["rollout.batch_size=4", "--lr", "2e-5", "--n-samples-per-prompt=3", "--rollout.top_p", "0.9"])
+    assert cfg.rollout.temperature == 0.7
+    assert cfg.rollout.batch_size == 4
+    assert cfg.train.lr == pytest.approx(2e-5)
+    assert cfg.rollout.n_samples_per_prompt == 3
+    assert cfg.rollout.top_p == 0.9
+
+
+@pytest.mark.parametrize(
+    "flag,key,value,expected",
+    [
+        ("--advantage-estimator", "algorithm.advantage_estimator", "grpo", "grpo"),
+        ("--rollout-batch-size", "rollout.batch_size", "12", 12),
+        ("--num-rollout", "run.num_rollout", "7", 7),
+        ("--rollout-max-response-len", "rollout.max_response_len", "9", 9),
+        ("--rollout-temperature", "rollout.temperature", "0.5", 0.5),
+        ("--eps-clip", "algorithm.eps_clip", "0.1", 0.1),
+        ("--kl-coef", "algorithm.kl_coef", "0.01", 0.01),
+        ("--save", "run.save", "out/model", "out/model"),
+        ("--load", "run.load", "in/model", "in/model"),
+        ("--seed", "run.seed", "42", 42),
+        ("--hf-checkpoint", "model.hf_checkpoint", "/models/x", "/models/x"),
+    ],
+)
+def test_slime_flags(flag, key, value, expected):
+    cfg = load_config(None, [flag, value])
+    section, name = key.split(".")
+    assert getattr(getattr(cfg, section), name) == expected
+
+
+def test_unknown_key_suggests_the_closest():
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout.temprature' \(did you mean 'rollout.temperature'\?\)"):
+        load_config(None, ["rollout.temprature=0.5"])
+
+
+def test_unknown_key_in_recipe_names_the_file(tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("train:\n  lrr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown config key 'train.lrr' \(did you mean 'train.lr'\?\)"):
+        load_config(recipe)
+
+
+def test_unknown_flag_suggests():
+    with pytest.raises(ConfigError, match="did you mean '--rollout-batch-size'"):
+        load_config(None, ["--rollout-batch-sise", "3"])
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ConfigError, match="'rollout.batch_size' must be an integer, got 'many'"):
+        load_config(None, ["rollout.batch_size=many"])
+
+
+def test_bad_value_names_the_key():
+    with pytest.raises(ConfigError, match="rollout.top_p must be in"):
+        load_config(None, ["rollout.top_p=1.5"])
+
+
+def test_invalid_yaml_names_the_line(tmp_path):
+    recipe = tmp_path / "broken.yaml"
+    recipe.write_text("run:\n  name: x\n   bad: [\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml line \d+: not valid YAML"):
+        load_config(recipe)
+
+
+def test_missing_recipe():
+    with pytest.raises(ConfigError, match="recipe file 'nope.yaml' does not exist"):
+        load_config("nope.yaml")

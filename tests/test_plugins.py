@@ -1,0 +1,90 @@
+"""The plugin system: built-ins as plugins, blocking, entry points, validation, tracing."""
+
+import json
+
+import pytest
+
+from miles_core.errors import PluginError
+from miles_core.hookspecs import hookimpl
+from miles_core.plugins.builtin import BUILTIN_PLUGINS
+from miles_core.plugins.manager import MilesPlugins
+
+
+def test_builtins_register_their_components():
+    pm = MilesPlugins(autoload=False)
+    assert [n for n, _ in BUILTIN_PLUGINS] == pm.plugin_names()
+    regs = pm.registries
+    assert "grpo" in regs.advantage_estimators and "ppo_clip" in regs.policy_losses
+    assert regs.rollout_backends.entry("builtin").plugin == "miles.rollout"
+    assert regs.tasks.entry("reverse").plugin == "miles.tasks"
+    info = {i.name: i for i in pm.info()}
+    assert info["miles.algorithms"].registered["advantage_estimators"] == ["grpo"]
+    assert "miles_register_policy_losses" in info["miles.algorithms"].hooks
+
+
+def test_blocking_a_builtin_removes_what_it_registered():
+    pm = MilesPlugins(blocked=["miles.rewards"], autoload=False)
+    assert "miles.rewards" not in pm.plugin_names()
+    assert "exact_match" not in pm.registries.rewards
+    assert len(pm.registries.rewards) == 0
+    with pytest.raises(PluginError, match="unknown reward 'exact_match'"):
+        pm.registries.rewards.get("exact_match")
+
+
+def test_duplicate_name_names_both_plugins():
+    class Clash:
+        @hookimpl
+        def miles_register_advantage_estimators(self, registry):
+            registry.add("grpo", lambda inputs, cfg: None)
+
+    pm = MilesPlugins(autoload=False, extra_plugins=[("my-plugin", Clash())])
+    with pytest.raises(PluginError) as exc:
+        pm.registries
+    assert "miles.algorithms" in str(exc.value) and "my-plugin" in str(exc.value)
+
+
+def test_hookimpl_without_spec_is_rejected():
+    class Typo:
+        @hookimpl
+        def miles_register_reward(self, registry):  # missing the "s"
+            pass
+
+    with pytest.raises(PluginError, match="Typo|typo-plugin"):
+        MilesPlugins(autoload=False, extra_plugins=[("typo-plugin", Typo())])
+
+
+def test_lifecycle_hooks_reach_plugins():
+    seen = []
+
+    class Listener:
+        @hookimpl
+        def miles_after_weight_sync(self, ctx, version):
+            seen.append(version)
+
+    pm = MilesPlugins(autoload=False, extra_plugins=[("listener", Listener())])
+    pm.after_weight_sync(None, 3)
+    assert seen == [3]
+
+
+def test_tracing_prints_hook_calls(capsys):
+    pm = MilesPlugins(autoload=False, trace=True)
+    pm.registries
+    err = capsys.readouterr().err
+    assert "miles_register_advantage_estimators" in err
+
+
+def test_plugins_json_cli(cli):
+    out = cli("plugins", "--json")
+    assert out.returncode == 0, out.stderr
+    data = {p["name"]: p for p in json.loads(out.stdout)}
+    assert data["miles.tasks"]["registered"]["tasks"] == ["addition", "jsonl", "reverse"]
+    assert data["miles.tasks"]["builtin"] is True
+    blocked = {p["name"]: p for p in json.loads(cli("plugins", "--json", "-p", "no:miles.tasks").stdout)}
+    assert "miles.tasks" not in blocked
+    assert all("tasks" not in p["registered"] for p in blocked.values())
+
+
+def test_autoload_can_be_disabled(monkeypatch):
+    monkeypatch.setenv("MILES_DISABLE_PLUGIN_AUTOLOAD", "1")
+    pm = MilesPlugins()
+    assert pm.plugin_names() == [n for n, _ in BUILTIN_PLUGINS]
