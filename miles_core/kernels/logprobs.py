@@ -102,6 +102,8 @@ def logprobs_torch(
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty
+    if hidden.device.type not in ("cpu", "cuda"):  # e.g. meta (memory accounting) or a plugin's device
+        return _ChunkedLogprobs.apply(hidden, weight, targets, 1.0 / temperature, chunk_size)
     with torch.autocast(device_type=hidden.device.type, enabled=False):
         return _ChunkedLogprobs.apply(hidden, weight, targets, 1.0 / temperature, chunk_size)
 
