@@ -153,6 +153,9 @@ class SegmentAttention:
         if len(self.bounds) == 2:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         impl = self.impl
+        if q.is_cuda and torch.is_autocast_enabled("cuda") and impl != "sdpa":  # the varlen op is not autocast
+            dt = torch.get_autocast_dtype("cuda")
+            q, k, v = q.to(dt), k.to(dt), v.to(dt)
         if impl == "auto":
             impl = "varlen" if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_fn() else "sdpa"
         if impl == "varlen":
