@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tests.trainer_helpers import make_trainer, policy_loss, random_batch, tiny_decoder  # noqa: E402
+from trainer_helpers import make_trainer, policy_loss, random_batch, tiny_decoder  # noqa: E402
 
 
 def main() -> None:

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.trainer_helpers import make_trainer, tiny_decoder
+
+sys.path.insert(0, str(Path(__file__).parent))
+from trainer_helpers import make_trainer, tiny_decoder  # noqa: E402
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 ROOT = WORKER.parents[1]

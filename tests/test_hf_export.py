@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from miles_core.plugins.manager import MilesPlugins
-from tests.trainer_helpers import make_trainer, policy_loss, random_batch, tiny_decoder
+
+sys.path.insert(0, str(Path(__file__).parent))
+from trainer_helpers import make_trainer, policy_loss, random_batch, tiny_decoder  # noqa: E402
 
 
 @pytest.mark.parametrize("tie", [True, False])

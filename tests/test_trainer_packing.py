@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import math
 
 import pytest
@@ -10,7 +13,9 @@ import torch
 from miles_core.config.loader import load_config
 from miles_core.train.lr import lr_at
 from miles_core.train.packing import micro_batch_plan, pack, shard_samples, split_by_tokens
-from tests.trainer_helpers import make_trainer, policy_loss, random_batch, tiny_decoder
+
+sys.path.insert(0, str(Path(__file__).parent))
+from trainer_helpers import make_trainer, policy_loss, random_batch, tiny_decoder  # noqa: E402
 
 
 def _alone_logprobs(model, batch):
