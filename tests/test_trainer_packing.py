@@ -43,14 +43,32 @@ def test_pack_layout_hand_worked():
     assert shard_samples([9, 1, 5, 5], 2) == [[0, 1], [2, 3]]
 
 
+def test_segment_attention_impls_match_block_diagonal_mask():
+    from miles_core.train.packing import SegmentAttention
+
+    torch.manual_seed(0)
+    bounds = [0, 3, 10, 11, 15, 20, 26]
+    q, k, v = (torch.randn(1, 2, 26, 8, requires_grad=True) for _ in range(3))
+    seg = torch.repeat_interleave(torch.arange(6), torch.tensor([b - a for a, b in zip(bounds, bounds[1:])]))
+    mask = (seg[:, None] == seg[None, :]) & torch.ones(26, 26, dtype=torch.bool).tril()
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    for impl in ("sdpa", "padded"):
+        got = SegmentAttention(torch.tensor(bounds, dtype=torch.int32), 7, impl)(q, k, v)
+        assert torch.allclose(got, want, atol=1e-6), impl
+        (g,) = torch.autograd.grad(got.sum(), q)
+        (g_want,) = torch.autograd.grad(want.sum(), q, retain_graph=True)
+        assert torch.allclose(g, g_want, atol=1e-5), impl
+
+
 def test_packed_logprobs_match_each_sample_alone():
     model = tiny_decoder()
-    trainer = make_trainer(model, "train.max_tokens_per_micro_batch=20")
     batch = random_batch(6)
     assert len(micro_batch_plan(batch, 1, 20)[0]) > 1
-    got = trainer.compute_logprobs(batch)
-    want = _alone_logprobs(trainer.model, batch)
-    assert torch.allclose(got, want * batch.response_mask, atol=2e-6), (got - want).abs().max()
+    for budget, attention in ((20, "sdpa"), (1000, "padded")):
+        trainer = make_trainer(model, f"train.max_tokens_per_micro_batch={budget}", f"train.attention={attention}")
+        got = trainer.compute_logprobs(batch)
+        want = _alone_logprobs(trainer.model, batch)
+        assert torch.allclose(got, want * batch.response_mask, atol=2e-6), (attention, (got - want).abs().max())
 
 
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_sum"])

@@ -90,7 +90,12 @@ def save_checkpoint(save_dir: Path, state: LoopState, trainer, backend, family, 
     barrier()
     trainer.save(tmp / "trainer")
     torch.save(_rng_state(backend), tmp / f"rng_rank{rank.rank}.pt")
-    trainer.export_hf(family, tmp / "hf", extra_files)
+    if hasattr(trainer, "export_hf"):
+        trainer.export_hf(family, tmp / "hf", extra_files)
+    elif rank.is_main:
+        from miles_core.models.checkpoint import save_hf_folder
+
+        save_hf_folder(trainer.model, family, tmp / "hf", extra_files)
     if rank.is_main:
         (tmp / "loop.json").write_text(json.dumps(asdict(state)))
         _fsync_tree(tmp)

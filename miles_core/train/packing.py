@@ -138,8 +138,11 @@ class SegmentAttention:
     """Causal attention within each packed sample; passed to the decoder as ``attn_mask``.
 
     ``impl``: ``"sdpa"`` runs causal SDPA on each sample's slice (any device; exact, no [S, S]
-    mask); ``"varlen"`` runs flash-attention varlen over the whole pack (CUDA, bf16/fp16);
-    ``"auto"`` picks varlen on CUDA in half precision when torch has it, else sdpa.
+    mask); ``"padded"`` scatters the samples into a padded [n, heads, max_len, D] batch for one
+    causal SDPA call (right padding is invisible to causal attention; best for many short
+    samples); ``"varlen"`` runs flash-attention varlen over the whole pack (CUDA, bf16/fp16);
+    ``"auto"`` picks varlen on CUDA in half precision when torch has it, else padded for more
+    than 4 samples, else sdpa.
     """
 
     def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int, impl: str = "auto") -> None:
@@ -157,13 +160,31 @@ class SegmentAttention:
             dt = torch.get_autocast_dtype("cuda")
             q, k, v = q.to(dt), k.to(dt), v.to(dt)
         if impl == "auto":
-            impl = "varlen" if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_fn() else "sdpa"
+            if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_fn():
+                impl = "varlen"
+            else:
+                impl = "padded" if len(self.bounds) > 5 else "sdpa"
+        if impl == "padded":
+            return self._padded(q, k, v)
         if impl == "varlen":
             fn = _varlen_fn()
             out = fn(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), self.cu.to(q.device), self.max_seqlen)
             return out.transpose(0, 1)[None]
-        parts = [
+        parts = [  # "sdpa"
             F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
             for a, b in zip(self.bounds, self.bounds[1:])
         ]
         return torch.cat(parts, dim=2)
+
+    def _padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n, width = len(self.bounds) - 1, self.max_seqlen
+        # slot of packed token j in the flattened [n * max_len] padded layout
+        slot = torch.cat([torch.arange(b - a, device=q.device) + i * width for i, (a, b) in enumerate(zip(self.bounds, self.bounds[1:]))])
+        heads, dim = q.shape[1], q.shape[3]
+
+        def to_padded(x: torch.Tensor) -> torch.Tensor:
+            out = x.new_zeros(heads, n * width, dim).index_copy(1, slot, x[0])
+            return out.view(heads, n, width, dim).transpose(0, 1)
+
+        out = F.scaled_dot_product_attention(to_padded(q), to_padded(k), to_padded(v), is_causal=True)
+        return out.transpose(0, 1).reshape(heads, n * width, dim).index_select(1, slot)[None]
