@@ -17,10 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_helpers import make_trainer, policy_loss, random_batch, tiny_decoder  # noqa: E402
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    out = Path(sys.argv[1])
-    trainer = make_trainer(tiny_decoder(), "train.max_tokens_per_micro_batch=24", "algorithm.kl_coef=0.1", *sys.argv[2:])
+def run(out: Path, overrides: list[str]) -> None:
+    trainer = make_trainer(tiny_decoder(), "train.max_tokens_per_micro_batch=24", "algorithm.kl_coef=0.1", *overrides)
     loss = policy_loss(trainer)
     curve = []
     for step in range(3):
@@ -38,4 +36,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    torch.set_num_threads(1)
+    run(Path(sys.argv[1]), sys.argv[2:])

@@ -26,10 +26,12 @@ def _env():
 
 
 def _run(out: Path, ranks: int, *overrides: str) -> None:
-    if ranks == 1:
-        cmd = [sys.executable, str(WORKER), str(out), *overrides]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(WORKER), str(out), *overrides]
+    if ranks == 1:  # a plain process: this one
+        from fsdp_worker import run
+
+        run(out, list(overrides))
+        return
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(WORKER), str(out), *overrides]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
