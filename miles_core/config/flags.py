@@ -18,6 +18,8 @@ SLIME_FLAGS: dict[str, str] = {
     "--kl-coef": "algorithm.kl_coef",
     "--save": "run.save",
     "--load": "run.load",
+    "--save-interval": "run.save_interval",
+    "--max-tokens-per-micro-batch": "train.max_tokens_per_micro_batch",
     "--seed": "run.seed",
     "--micro-batch-size": "train.micro_batch_size",
     "--custom-rm-path": "reward.name",

@@ -40,8 +40,12 @@ def atomic_dir(dest: Path, write) -> None:
 
 
 def save_hf_folder(model: nn.Module, family: ModelFamily, dest: Path, extra_files: dict[str, str] | None = None) -> None:
-    cfg = model.config
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    save_hf_state(model.state_dict(), model.config, family, dest, extra_files)
+
+
+def save_hf_state(state: dict[str, torch.Tensor], cfg, family: ModelFamily, dest: Path, extra_files: dict[str, str] | None = None) -> None:
+    """Write full (unsharded) tensors ``state`` with the decoder config ``cfg`` as an HF folder."""
+    state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
 

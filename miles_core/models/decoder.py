@@ -105,6 +105,8 @@ class Attention(nn.Module):
             v = v.repeat_interleave(rep, dim=1)
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif callable(mask):  # packed sequences: an AttentionFn (miles_core.train.packing)
+            out = mask(q, k, v)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
@@ -174,6 +176,8 @@ class Decoder(nn.Module):
 
         Without ``attn_mask`` attention is causal over the given tokens (right padding is safe).
         With a cache, ``attn_mask`` is a bool [B, 1, T, cache_len + T] (True = attend).
+        ``attn_mask`` may also be a callable ``(q, k, v) -> out`` on [B, heads, T, D] tensors: the
+        trainer passes one for packed sequences (attention restricted to each sample).
         """
         b, t = input_ids.shape
         if positions is None:

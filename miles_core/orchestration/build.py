@@ -23,6 +23,7 @@ from miles_core.kernels.base import Kernels
 from miles_core.models.base import ModelFamily
 from miles_core.models.checkpoint import load_hf_folder
 from miles_core.models.decoder import DecoderConfig
+from miles_core.orchestration.checkpoint import find_checkpoint
 from miles_core.platforms import select_platform
 from miles_core.plugins.manager import MilesPlugins
 from miles_core.rewards.custom import check_reward_fn, load_reward_path
@@ -45,9 +46,18 @@ class Components:
     transport: Any
 
 
+def model_source(cfg: MilesConfig) -> str | None:
+    """The HF folder to build the model from: run.load (a resumed --save folder's newest
+    checkpoint, or an HF folder), else model.hf_checkpoint."""
+    ckpt = find_checkpoint(cfg.run.load)
+    if ckpt is not None:
+        return str(ckpt / "hf")
+    return cfg.run.load or cfg.model.hf_checkpoint
+
+
 def build_model(cfg: MilesConfig, plugins: MilesPlugins, tokenizer) -> tuple[nn.Module, ModelFamily]:
     families = plugins.registries.model_families
-    source = cfg.run.load or cfg.model.hf_checkpoint
+    source = model_source(cfg)
     if source:
         return load_hf_folder(Path(source), families)
     m = cfg.model
@@ -83,7 +93,7 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
     if cfg.run.num_threads > 0:
         torch.set_num_threads(cfg.run.num_threads)
     platform, device = select_platform(regs.platforms, cfg.run.device)
-    source = cfg.run.load or cfg.model.hf_checkpoint
+    source = model_source(cfg)
     tokenizer = load_tokenizer(Path(source)) if source else CharTokenizer()
     kernels = Kernels(plugins, platform.name)
     ctx = RunContext(cfg, plugins, tokenizer, device, platform.name, kernels, output_dir)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from miles_core.orchestration.build import Components
+from miles_core.orchestration.build import Components, tokenizer_files
+from miles_core.orchestration.checkpoint import LoopState, find_checkpoint, load_checkpoint, save_checkpoint
 from miles_core.rewards.runner import score_samples
 from miles_core.rollout.base import SamplingParams
 from miles_core.train.batch import make_train_batch
@@ -74,6 +76,8 @@ def rl_step(c: Components, backend, trainer, prompts: list[Prompt], step: int, t
     batch = make_train_batch(samples, tok.pad_token_id)
     with timer("logprobs"):
         batch.old_logprobs = trainer.compute_logprobs(batch)
+        if cfg.algorithm.kl_coef > 0:
+            batch.ref_logprobs = trainer.compute_ref_logprobs(batch)
     with timer("advantage"):
         adv = c.advantage_estimator(
             AdvantageInputs(
@@ -116,26 +120,38 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
     ctx.plugins.run_start(ctx)
     summary: dict[str, Any] = {"status": "failed"}
     history: list[dict[str, Any]] = []
+    resume = find_checkpoint(cfg.run.load)
+    consumed, start, first_eval = 0, 1, None
     try:
         t = cfg.train
-        for w in range(t.sft_warmup_steps):
+        if resume is not None:  # continue a --save folder: skip warm-up, replay the prompt stream
+            state = load_checkpoint(resume, trainer, backend)
+            consumed, start, version, first_eval = state.prompts_consumed, state.step + 1, state.version, state.eval_accuracy_first
+            for _ in range(consumed):
+                next(stream)
+            c.transport.push(trainer.weights(), version, backend)
+        for w in range(t.sft_warmup_steps if resume is None else 0):
             timer = Timer()
             prompts = _tokenize(list(itertools.islice(stream, t.sft_batch_size)), tok)
+            consumed += len(prompts)
             batch = make_train_batch(_reference_samples(prompts, c.task, tok), tok.pad_token_id)
             with timer("train"):
                 m = trainer.train_step(batch, c.sft_loss, temperature=1.0, lr=t.sft_lr or t.lr)
             on_metrics({"phase": "sft", "step": w + 1, **m, **timer.times})
-        if t.sft_warmup_steps:
+        if t.sft_warmup_steps and resume is None:
             version += 1
             c.transport.push(trainer.weights(), version, backend)
             ctx.plugins.after_weight_sync(ctx, version)
-        record = {"phase": "rl", "step": 0, "weight_version": version, **evaluate(c, backend, eval_prompts)}
-        history.append(record)
-        on_metrics(record)
-        for step in range(1, cfg.run.num_rollout + 1):
+        if resume is None:
+            record = {"phase": "rl", "step": 0, "weight_version": version, **evaluate(c, backend, eval_prompts)}
+            history.append(record)
+            on_metrics(record)
+            first_eval = record["eval_accuracy"]
+        for step in range(start, cfg.run.num_rollout + 1):
             timer = Timer()
             t0 = time.perf_counter()
             prompts = _tokenize(list(itertools.islice(stream, cfg.rollout.batch_size)), tok)
+            consumed += len(prompts)
             for p in prompts:
                 p.metadata.setdefault("step", step)
             samples, metrics = rl_step(c, backend, trainer, prompts, step, timer)
@@ -151,14 +167,17 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             record["time_step"] = time.perf_counter() - t0
             history.append(record)
             on_metrics(record)
+            if cfg.run.save and ((cfg.run.save_interval and step % cfg.run.save_interval == 0) or step == cfg.run.num_rollout):
+                state = LoopState(step, version, consumed, first_eval)
+                save_checkpoint(Path(cfg.run.save), state, trainer, backend, c.family, tokenizer_files(tok))
         evals = [h for h in history if "eval_accuracy" in h]
         summary = {
             "status": "completed",
             "steps": cfg.run.num_rollout,
             "weight_version": version,
-            "eval_accuracy_first": evals[0]["eval_accuracy"],
-            "eval_accuracy_last": evals[-1]["eval_accuracy"],
-            "eval_accuracy_gain": evals[-1]["eval_accuracy"] - evals[0]["eval_accuracy"],
+            "eval_accuracy_first": first_eval,
+            "eval_accuracy_last": evals[-1]["eval_accuracy"] if evals else first_eval,
+            "eval_accuracy_gain": (evals[-1]["eval_accuracy"] if evals else first_eval) - first_eval,
         }
         return summary, trainer
     except KeyboardInterrupt:

@@ -60,8 +60,13 @@ def run(cfg: MilesConfig, plugins: MilesPlugins, console: Console | None = None)
         if records:
             plot_curves(records, out / "curves.png", title=f"{cfg.run.name}: {cfg.data.task}")
     if cfg.run.save:
-        save_hf_folder(trainer.model, c.family, Path(cfg.run.save), tokenizer_files(c.ctx.tokenizer))
-        summary["saved"] = cfg.run.save
+        dest = Path(cfg.run.save) / "hf"
+        export = getattr(trainer, "export_hf", None)
+        if export is not None:
+            export(c.family, dest, tokenizer_files(c.ctx.tokenizer))
+        else:
+            save_hf_folder(trainer.model, c.family, dest, tokenizer_files(c.ctx.tokenizer))
+        summary["saved"] = str(dest)
     summary["output_dir"] = str(out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     console.print(summary_table({k: v for k, v in summary.items() if k != "output_dir"}, out))

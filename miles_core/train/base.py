@@ -19,12 +19,22 @@ class Trainer(Protocol):
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Per response token logprobs [N, T] under the current weights, without grad (zeros on padding)."""
 
+    def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[N, T] logprobs under the frozen reference model (the initial weights), without grad.
+        Called by the loop when algorithm.kl_coef > 0."""
+
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over ``batch`` (split into micro-batches), returning metrics."""
 
     def weights(self) -> Mapping[str, torch.Tensor]:
         """The current weights to push to rollout engines (names as in the model)."""
 
-    def save(self, path: Path) -> None: ...
+    def save(self, path: Path) -> None:
+        """Write the resumable training state (model, optimizer, scheduler, reference model) into
+        the folder ``path``; called on every rank. The loop makes the checkpoint atomic."""
 
-    def load(self, path: Path) -> None: ...
+    def load(self, path: Path) -> None:
+        """Restore what :meth:`save` wrote."""
+
+    def export_hf(self, family, dest: Path, extra_files: dict[str, str] | None = None) -> None:
+        """Write the policy as an HF safetensors folder (called on every rank; one writes)."""

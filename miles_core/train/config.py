@@ -14,7 +14,15 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
-    micro_batch_size: int = 64  # samples per forward/backward
+    micro_batch_size: int = 64  # at most this many samples per forward/backward
+    max_tokens_per_micro_batch: int = 8192  # token budget of one packed micro-batch (no padding)
+    activation_checkpointing: bool = False  # recompute each decoder block in backward
+    attention: str = "auto"  # packed attention: auto | sdpa (per sample) | padded (one batched call) | varlen (flash, CUDA)
+    logprob_chunk_size: int = 1024  # rows of [tokens, vocab] logits made at once by the "logprobs" op
+    lr_warmup_steps: int = 0  # linear warm-up over this many optimizer steps
+    lr_decay: str = "constant"  # constant | cosine (after warm-up)
+    lr_decay_steps: int = 0  # cosine length; 0 = the rest of the run
+    min_lr: float = 0.0  # cosine floor
     updates_per_rollout: int = 1  # optimizer steps per rollout batch (the batch is split evenly)
     sft_warmup_steps: int = 0  # supervised steps on the task's reference answers before RL
     sft_batch_size: int = 64
@@ -25,6 +33,16 @@ class TrainConfig:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
         if self.micro_batch_size < 1:
             raise ConfigError(f"train.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.max_tokens_per_micro_batch < 1:
+            raise ConfigError(f"train.max_tokens_per_micro_batch must be >= 1, got {self.max_tokens_per_micro_batch}")
+        if self.attention not in ("auto", "sdpa", "padded", "varlen"):
+            raise ConfigError(f"train.attention must be auto, sdpa, padded or varlen, got '{self.attention}'")
+        if self.lr_decay not in ("constant", "cosine"):
+            raise ConfigError(f"train.lr_decay must be constant or cosine, got '{self.lr_decay}'")
+        if self.lr_warmup_steps < 0 or self.lr_decay_steps < 0:
+            raise ConfigError("train.lr_warmup_steps and train.lr_decay_steps must be >= 0")
+        if self.logprob_chunk_size < 1:
+            raise ConfigError(f"train.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
         if self.updates_per_rollout < 1:
             raise ConfigError(f"train.updates_per_rollout must be >= 1, got {self.updates_per_rollout}")
         if self.sft_warmup_steps < 0:

@@ -1,0 +1,120 @@
+"""Resumable run checkpoints: ``run.save`` folder layout, atomic writes, and what a resume restores.
+
+    <save>/latest            the name of the newest complete checkpoint (replaced atomically)
+    <save>/step_000010/      one checkpoint, renamed into place only when complete
+        trainer/             sharded trainer state (torch.distributed.checkpoint, every rank)
+        rng_rank<r>.pt       this rank's RNG states: torch, CUDA, python, the rollout engine's
+        loop.json            step, weight version, prompts consumed (the data position)
+        hf/                  the policy as an HF safetensors folder (+ tokenizer): the model to build
+    <save>/hf/               the final model (orchestration/run.py)
+
+A save writes into ``.tmp-step_N`` and renames it, then rewrites ``latest``: a save killed at any
+point leaves the previous checkpoint and ``latest`` intact. The prompt stream is resumed by
+replaying it from the seed and skipping the prompts already consumed, which is exact for every
+task whose stream is a function of its ``random.Random``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from miles_core.errors import ConfigError
+from miles_core.train.distributed import barrier, current
+
+LATEST = "latest"
+
+
+@dataclass
+class LoopState:
+    step: int  # the last RL step completed
+    version: int  # weight version pushed to the engines
+    prompts_consumed: int  # training prompts taken from the stream so far
+    eval_accuracy_first: float | None = None
+
+
+def find_checkpoint(path: str | Path | None) -> Path | None:
+    """The newest checkpoint of a ``run.save`` folder, or None if ``path`` is not one."""
+    if path is None:
+        return None
+    latest = Path(path) / LATEST
+    if not latest.is_file():
+        return None
+    ckpt = Path(path) / latest.read_text().strip()
+    if not (ckpt / "loop.json").is_file():
+        raise ConfigError(f"run.load: '{latest}' names '{ckpt.name}', which is not a complete checkpoint")
+    return ckpt
+
+
+def _rng_state(backend) -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    gen = getattr(backend, "generator", None)  # the built-in engine's sampling generator
+    if isinstance(gen, torch.Generator):
+        state["engine"] = gen.get_state()
+    return state
+
+
+def _set_rng_state(state: dict, backend) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    gen = getattr(backend, "generator", None)
+    if "engine" in state and isinstance(gen, torch.Generator):
+        gen.set_state(state["engine"])
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                os.fsync(fh.fileno())
+
+
+def save_checkpoint(save_dir: Path, state: LoopState, trainer, backend, family, extra_files: dict[str, str]) -> Path:
+    """Called on every rank at the end of an RL step."""
+    rank = current()
+    name = f"step_{state.step:06d}"
+    tmp, final = save_dir / f".tmp-{name}", save_dir / name
+    if rank.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    trainer.save(tmp / "trainer")
+    torch.save(_rng_state(backend), tmp / f"rng_rank{rank.rank}.pt")
+    if hasattr(trainer, "export_hf"):
+        trainer.export_hf(family, tmp / "hf", extra_files)
+    elif rank.is_main:
+        from miles_core.models.checkpoint import save_hf_folder
+
+        save_hf_folder(trainer.model, family, tmp / "hf", extra_files)
+    if rank.is_main:
+        (tmp / "loop.json").write_text(json.dumps(asdict(state)))
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = save_dir / f".{LATEST}.tmp"
+        pointer.write_text(name)
+        os.replace(pointer, save_dir / LATEST)
+    barrier()
+    return final
+
+
+def load_checkpoint(ckpt: Path, trainer, backend) -> LoopState:
+    """Restore the trainer, this rank's RNG states, and return the loop's position."""
+    rank = current()
+    trainer.load(ckpt / "trainer")
+    rng_file = ckpt / f"rng_rank{rank.rank}.pt"
+    if not rng_file.is_file():
+        raise ConfigError(f"run.load: '{ckpt}' has no {rng_file.name}; resume with the world size it was saved with")
+    _set_rng_state(torch.load(rng_file, weights_only=False), backend)
+    return LoopState(**json.loads((ckpt / "loop.json").read_text()))

@@ -1,0 +1,70 @@
+"""A run killed and resumed from its --save folder continues exactly like an uninterrupted one."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles_core.orchestration.build import build
+from miles_core.orchestration.checkpoint import find_checkpoint
+from miles_core.orchestration.loop import run_loop
+from miles_core.plugins.manager import MilesPlugins
+from miles_core.testing.contracts import tiny_config
+
+ARGS = ["run.num_rollout=4", "run.eval_every=2", "train.sft_warmup_steps=2", "train.sft_batch_size=4",
+        "algorithm.kl_coef=0.05", "train.lr_warmup_steps=1", "train.lr_decay=cosine", "train.max_tokens_per_micro_batch=40"]
+
+
+class Killed(Exception):
+    pass
+
+
+class DiedInSave(Exception):
+    pass
+
+
+def _run(tmp_path, *extra, kill_at=None):
+    cfg = tiny_config(tmp_path, *ARGS, *extra)
+    c = build(cfg, MilesPlugins(), tmp_path)
+    records = []
+
+    def on_metrics(record):
+        if kill_at is not None and record["step"] == kill_at:
+            raise Killed
+        records.append({k: v for k, v in record.items() if not k.startswith("time_") and k != "rollout_tok_s"})
+
+    try:
+        run_loop(c, on_metrics)
+    except Killed:
+        pass
+    return [r for r in records if r["phase"] == "rl"]
+
+
+def test_killed_and_resumed_run_matches_uninterrupted(tmp_path):
+    full = _run(tmp_path / "a")
+    save = tmp_path / "save"
+    first = _run(tmp_path / "b", f"run.save={save}", "run.save_interval=2", kill_at=3)
+    assert [r["step"] for r in first] == [0, 1, 2]
+    assert find_checkpoint(save).name == "step_000002"
+    second = _run(tmp_path / "c", f"run.save={save}", "run.save_interval=2", f"run.load={save}")
+    assert [r["step"] for r in second] == [3, 4]
+    assert first + second == full  # every metric, exactly (losses, kl_ref, lr, grad_norm, rewards, eval)
+    assert full[-1]["kl_ref"] > 0 and full[1]["lr"] != full[-1]["lr"]
+
+
+def test_killed_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
+    from miles_core.train.torch_trainer import TorchTrainer
+
+    save = tmp_path / "save"
+    _run(tmp_path / "a", f"run.save={save}", "run.save_interval=2", "run.num_rollout=2")
+    assert find_checkpoint(save).name == "step_000002"
+
+    def dies(self, path):
+        (path / "partial").parent.mkdir(parents=True, exist_ok=True)
+        (path / "partial").write_text("half a shard")
+        raise DiedInSave
+
+    monkeypatch.setattr(TorchTrainer, "save", dies)
+    with pytest.raises(DiedInSave):
+        _run(tmp_path / "b", f"run.save={save}", "run.save_interval=1", f"run.load={save}", "run.num_rollout=3")
+    assert find_checkpoint(save).name == "step_000002"
+    assert not (save / "step_000003").exists()

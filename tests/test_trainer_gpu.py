@@ -1,0 +1,33 @@
+"""GPU checks (skipped without CUDA): packed varlen attention and the logprob op's real memory."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles_core.train.packing import SegmentAttention, _varlen_fn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+@pytest.mark.gpu
+def test_varlen_attention_matches_per_sample_sdpa():
+    if _varlen_fn() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 100, 356, 400], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(1, 8, 400, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    ref = SegmentAttention(cu, 256, impl="sdpa")(q, k, v)
+    got = SegmentAttention(cu, 256, impl="varlen")(q, k, v)
+    assert (got.float() - ref.float()).abs().max() < 2e-2
+
+
+@pytest.mark.gpu
+def test_chunked_logprob_memory_on_cuda_under_10_percent():
+    from logprob_memory import measure
+
+    row = measure(tokens=16384, vocab=151936, hidden_size=1024, dtype=torch.bfloat16, device="cuda")
+    assert row["ratio"] <= 0.10, row
