@@ -89,8 +89,7 @@ def test_same_logprobs_loss_and_update_as_torch_trainer(megatron_cpu, qk_norm, t
 
 
 def _megatron_grads(trainer) -> dict[str, torch.Tensor]:
-    grads = {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}
-    return convert.megatron_to_hf([grads], trainer.arch)
+    return trainer.to_hf({n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None})
 
 
 def test_moe_train_step_matches_transformers(megatron_cpu):

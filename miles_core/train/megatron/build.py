@@ -29,6 +29,8 @@ def init_parallel(mcfg: MegatronConfig, device: torch.device) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
@@ -36,7 +38,7 @@ def init_parallel(mcfg: MegatronConfig, device: torch.device) -> None:
         dist.init_process_group(backend, rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
     world = dist.get_world_size()
     need = mcfg.tensor_parallel * mcfg.pipeline_parallel * mcfg.context_parallel
-    if world % need or (world // need) % 1:
+    if world % need:
         raise ConfigError(f"world size {world} is not a multiple of train.megatron tensor*pipeline*context parallel ({need})")
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
@@ -84,7 +86,7 @@ def transformer_config(arch: Arch, mcfg: MegatronConfig, device: torch.device, b
         attention_dropout=0.0,
         init_method_std=0.02,
         use_cpu_initialization=device.type != "cuda",
-        perform_initialization=False,  # the weights always come from an HF state dict
+        perform_initialization=True,  # (the weights are then overwritten from HF) it also marks TP-split params
         params_dtype=torch.float32,  # fp32 master weights; bf16 compute via autocast
         bf16=False,
         bias_activation_fusion=False,

@@ -10,7 +10,8 @@ chunk of tokens:
     H   = lse - sum_ranks sum_v softmax(z)_v z_v     (entropy)
 
 The sums go through Megatron's ``reduce_from_tensor_model_parallel_region`` (all-reduce forward,
-identity backward), so each rank's gradient w.r.t. its own logits is exact. Rows at or past
+identity backward), so each rank's gradient w.r.t. its own logits is exact; the caller passes
+``hidden`` through ``copy_to_tensor_model_parallel_region`` so that dL/dhidden is summed over ranks. Rows at or past
 ``vocab_size`` (padding so that tp divides the vocab) are masked to -inf. Like
 :func:`miles_core.kernels.logprobs.logprobs_torch`, chunks of ``chunk_size`` tokens are
 recomputed in backward, so the [tokens, V/tp] fp32 logits never exist whole.

@@ -49,6 +49,8 @@ class MegatronTrainer:
             raise ConfigError(f"train.precision '{precision.name}': the Megatron trainer keeps fp32 master weights; use fp32 or bf16")
         self.logprobs_op = kernels["logprobs"]
         init_parallel(self.mcfg, device)
+        if device.type == "cuda":
+            self.device = device = torch.device("cuda", torch.cuda.current_device())
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
@@ -84,24 +86,27 @@ class MegatronTrainer:
     def weights(self) -> Mapping[str, torch.Tensor]:
         """The current weights in HF names (full tensors, gathered over tensor-parallel ranks)."""
         local = {k: v.detach() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
+        hf = self.to_hf(local)
+        if self.arch.tie_word_embeddings:  # the engine's model has the tied head as its own key
+            hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+        return hf
+
+    def to_hf(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Any per-parameter tensors of this rank (weights, grads) -> full tensors in HF names."""
         local = convert.from_te_names(local, self.arch)
         if self.arch.tie_word_embeddings:
             local.pop("output_layer.weight", None)
         if self.arch.is_moe:
             local = convert.globalize_experts(local, self.ep_rank, self.arch.num_experts // self.ep)
         if self.tp == 1:
-            shards = [local]
-        else:
-            shards = [dict() for _ in range(self.tp)]
-            for k in sorted(local):
-                parts = [torch.empty_like(local[k]) for _ in range(self.tp)]
-                dist.all_gather(parts, local[k].contiguous(), group=self.tp_group)
-                for r in range(self.tp):
-                    shards[r][k] = parts[r]
-        hf = convert.megatron_to_hf(shards, self.arch)
-        if self.arch.tie_word_embeddings:  # the engine's model has the tied head as its own key
-            hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
-        return hf
+            return convert.megatron_to_hf([local], self.arch)
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
+        for k in sorted(local):
+            parts = [torch.empty_like(local[k]) for _ in range(self.tp)]
+            dist.all_gather(parts, local[k].contiguous(), group=self.tp_group)
+            for r in range(self.tp):
+                shards[r][k] = parts[r]
+        return convert.megatron_to_hf(shards, self.arch)
 
     # ------------------------------------------------------------------ forward
     def _head(self) -> torch.Tensor:
@@ -146,6 +151,10 @@ class MegatronTrainer:
         if self.tp == 1:
             lp, ent = self.logprobs_op(h.to(weight.dtype), weight[: self.arch.vocab_size], targets, temperature=temperature)
         else:
+            from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+            # identity forward, all-reduce backward: each rank's head shard gives a partial dL/dh
+            h = copy_to_tensor_model_parallel_region(h)
             lp, ent = vocab_parallel_logprobs(
                 h.to(weight.dtype), weight, targets, vocab_start=self.tp_rank * weight.shape[0],
                 vocab_size=self.arch.vocab_size, group=self.tp_group, temperature=temperature,
@@ -171,6 +180,16 @@ class MegatronTrainer:
         return torch.cat(out)
 
     # ------------------------------------------------------------------ training
+    def _reduce_replicated_grads(self) -> None:
+        """Sum over TP ranks the grads of replicated params that each rank only partly sees: the
+        q/k layernorms (each rank normalizes its own heads) and, with sequence parallelism, the
+        norms that see a slice of the sequence (params Megatron marks ``sequence_parallel``)."""
+        if self.tp == 1:
+            return
+        for name, p in self.model.named_parameters():
+            if p.grad is not None and (getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name):
+                dist.all_reduce(p.grad, group=self.tp_group)
+
     def _clip(self, max_norm: float) -> float:
         """Global grad norm over all TP ranks (a TP-replicated parameter counts once), then clip."""
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -223,6 +242,7 @@ class MegatronTrainer:
             for k, v in out.metrics.items():
                 sums[k] += v * share
             sums["entropy"] += float((ent.detach() * mask).sum()) / max(num_tokens, 1)
+        self._reduce_replicated_grads()
         clip = cfg.train.grad_clip
         grad_norm = self._clip(clip if clip > 0 else float("inf"))
         self.optimizer.step()
