@@ -144,13 +144,15 @@ def _moe_without_te_compat() -> None:
         moe_utils.te_general_gemm = None
 
 
-def build_gpt(arch: Arch, mcfg: MegatronConfig, device: torch.device, bf16: bool = False):
+def build_gpt(arch: Arch, mcfg: MegatronConfig, device: torch.device, bf16: bool = False, recompute: bool = False):
     """A GPTModel with allocated but not initialized weights (the trainer loads HF weights into it)."""
     from megatron.core.models.gpt import GPTModel
 
     if arch.is_moe:
         _moe_without_te_compat()
 
+    if recompute and not mcfg.recompute:
+        mcfg = dataclasses.replace(mcfg, recompute=True)
     config = transformer_config(arch, mcfg, device, bf16)
     model = GPTModel(
         config=config,

@@ -62,7 +62,8 @@ class MegatronTrainer:
                 f"train.megatron.tensor_parallel ({self.tp}) (so expert_parallel must be 1)"
             )
         self.vocab_padded = padded_vocab(arch, self.tp)
-        self.model = build_gpt(arch, self.mcfg, device, bf16=precision.compute_dtype == torch.bfloat16)
+        recompute = bool(getattr(cfg.train, "activation_checkpointing", False))  # the torch trainer's switch, when present
+        self.model = build_gpt(arch, self.mcfg, device, bf16=precision.compute_dtype == torch.bfloat16, recompute=recompute)
         self.load_hf(hf_state)
         self.model.train()
         t = cfg.train
@@ -169,14 +170,26 @@ class MegatronTrainer:
         temp = self.cfg.rollout.temperature
         return temp if temp > 0 else 1.0
 
+    def micro_batches(self, batch: TrainBatch) -> list[slice]:
+        """Consecutive samples, at most ``train.micro_batch_size`` of them and (when the config has
+        it) at most ``train.max_tokens_per_micro_batch`` packed tokens; a longer sample goes alone."""
+        t = self.cfg.train
+        budget = getattr(t, "max_tokens_per_micro_batch", None) or float("inf")
+        lens = (batch.prompt_lens + batch.response_lens).tolist()
+        out, start, used = [], 0, 0
+        for i, n in enumerate(lens):
+            if i > start and (i - start >= t.micro_batch_size or used + n > budget):
+                out.append(slice(start, i))
+                start, used = i, 0
+            used += n
+        if start < len(lens):
+            out.append(slice(start, len(lens)))
+        return out
+
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, temperature: float | None = None) -> torch.Tensor:
         temperature = self._temperature() if temperature is None else temperature
-        mbs = self.cfg.train.micro_batch_size
-        out = [
-            self.response_logprobs(batch.select(slice(i, i + mbs)), temperature)[0].cpu()
-            for i in range(0, batch.num_samples, mbs)
-        ]
+        out = [self.response_logprobs(batch.select(sl), temperature)[0].cpu() for sl in self.micro_batches(batch)]
         return torch.cat(out)
 
     # ------------------------------------------------------------------ training
@@ -216,12 +229,11 @@ class MegatronTrainer:
         num_tokens = int(batch.response_mask.sum())
         num_seqs = batch.num_samples
         max_len = batch.response_mask.shape[1]
-        mbs = cfg.train.micro_batch_size
         sums: dict[str, float] = defaultdict(float)
         total_loss = 0.0
         dev = self.device
-        for start in range(0, num_seqs, mbs):
-            mb = batch.select(slice(start, start + mbs))
+        for sl in self.micro_batches(batch):
+            mb = batch.select(sl)
             logp, ent = self.response_logprobs(mb, temperature)
             mask = mb.response_mask.to(dev)
             inputs = LossInputs(
