@@ -35,6 +35,11 @@ def _config(loss_agg: str) -> MilesConfig:
     return cfg
 
 
+def off_policy(logprobs: torch.Tensor, b) -> torch.Tensor:
+    """Old-policy logprobs off by a seeded amount, so that the PPO ratio is not 1 and clipping is active."""
+    return (logprobs + 0.3 * torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(2))) * b.response_mask
+
+
 def _decoder(qk_norm: bool, tied: bool) -> Decoder:
     torch.manual_seed(0)
     dec = Decoder(DecoderConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -61,8 +66,7 @@ def test_same_logprobs_loss_and_update_as_torch_trainer(megatron_cpu, qk_norm, t
     assert lp_t.abs().max() > 1.0
     torch.testing.assert_close(lp_m, lp_t, atol=1e-5, rtol=0)
 
-    # off-policy by a known amount, so that the PPO ratio is not 1 and clipping is active
-    b.old_logprobs = (lp_t + 0.3 * torch.randn(lp_t.shape, generator=torch.Generator().manual_seed(2))) * b.response_mask
+    b.old_logprobs = off_policy(lp_t, b)
     loss_fn = functools.partial(ppo_clip, cfg=cfg.algorithm)
     m_t = torch_tr.train_step(b, loss_fn)
     m_m = mega.train_step(b, loss_fn)

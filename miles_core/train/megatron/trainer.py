@@ -48,6 +48,13 @@ class MegatronTrainer:
         if precision.param_dtype != torch.float32:
             raise ConfigError(f"train.precision '{precision.name}': the Megatron trainer keeps fp32 master weights; use fp32 or bf16")
         self.logprobs_op = kernels["logprobs"]
+        if device.type != "cuda":
+            try:  # megatron-core creates tensors on torch.cuda.current_device() in places
+                torch.cuda.current_device()
+            except (AssertionError, RuntimeError):
+                raise ConfigError(
+                    "train.backend=megatron needs a CUDA device (megatron-core assumes CUDA); use train.backend=torch on CPU"
+                ) from None
         init_parallel(self.mcfg, device)
         if device.type == "cuda":
             self.device = device = torch.device("cuda", torch.cuda.current_device())
