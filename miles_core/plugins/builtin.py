@@ -12,6 +12,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("miles.rollout", "miles_core.rollout.plugin"),
     ("miles.algorithms", "miles_core.algorithms.plugin"),
     ("miles.train", "miles_core.train.plugin"),
+    ("miles.train.megatron", "miles_core.train.megatron.plugin"),
     ("miles.sync", "miles_core.sync.plugin"),
     ("miles.precision", "miles_core.precision.plugin"),
     ("miles.kernels", "miles_core.kernels.plugin"),

@@ -1,8 +1,9 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from miles_core.errors import ConfigError
+from miles_core.train.megatron.config import MegatronConfig
 
 
 @dataclass
@@ -27,6 +28,7 @@ class TrainConfig:
     sft_warmup_steps: int = 0  # supervised steps on the task's reference answers before RL
     sft_batch_size: int = 64
     sft_lr: float | None = None  # None = lr
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # train.backend=megatron only
 
     def validate(self) -> None:
         if self.lr <= 0:
@@ -47,3 +49,5 @@ class TrainConfig:
             raise ConfigError(f"train.updates_per_rollout must be >= 1, got {self.updates_per_rollout}")
         if self.sft_warmup_steps < 0:
             raise ConfigError(f"train.sft_warmup_steps must be >= 0, got {self.sft_warmup_steps}")
+        if self.backend == "megatron":
+            self.megatron.validate()

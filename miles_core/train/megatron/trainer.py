@@ -1,0 +1,294 @@
+"""The Megatron trainer: a megatron-core GPTModel behind the same interface as TorchTrainer.
+
+The loss is computed exactly as in :class:`miles_core.train.torch_trainer.TorchTrainer`: the
+hidden state at position p predicts token p + 1, response logprobs come from the kernel
+registry's ``logprobs`` op (or its vocab-parallel form when tensor_parallel > 1), the per-token
+loss of the algorithm is aggregated with :func:`miles_core.algorithms.aggregate.aggregate_loss`
+over the global batch, gradients are accumulated over micro-batches and clipped to
+``train.grad_clip`` in global norm. What differs is the forward: each micro-batch is packed into
+one row of ``sum(len_i)`` tokens (THD layout, no padding), with sequence boundaries in
+Megatron's ``PackedSeqParams`` so that RoPE positions and causal attention restart per sample.
+
+Optimizer: ``torch.optim.AdamW`` over the model's fp32 parameters, on CPU and GPU (megatron-core's
+own optimizer wants its DDP wrapper and CUDA; with one data-parallel rank AdamW is the same update).
+Weights leave the trainer in HF names (:mod:`miles_core.train.megatron.convert`), gathered over TP.
+Not supported yet: pipeline / context parallelism and data parallelism (world size > TP).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from miles_core.algorithms.aggregate import aggregate_loss
+from miles_core.config.schema import MilesConfig
+from miles_core.errors import ConfigError
+from miles_core.kernels.base import Kernels
+from miles_core.precision.base import PrecisionRecipe
+from miles_core.train.base import LossFn
+from miles_core.train.megatron import convert
+from miles_core.train.megatron.arch import Arch
+from miles_core.train.megatron.build import build_gpt, init_parallel, padded_vocab
+from miles_core.train.megatron.logprobs import vocab_parallel_logprobs
+from miles_core.types import LossInputs, TrainBatch
+
+
+class MegatronTrainer:
+    def __init__(self, arch: Arch, hf_state: Mapping[str, torch.Tensor], cfg: MilesConfig, device: torch.device,
+                 precision: PrecisionRecipe, kernels: Kernels):
+        from megatron.core import parallel_state as ps
+
+        self.cfg, self.arch, self.device, self.precision = cfg, arch, device, precision
+        self.mcfg = cfg.train.megatron
+        self.mcfg.validate()
+        if precision.param_dtype != torch.float32:
+            raise ConfigError(f"train.precision '{precision.name}': the Megatron trainer keeps fp32 master weights; use fp32 or bf16")
+        self.logprobs_op = kernels["logprobs"]
+        if device.type != "cuda":
+            try:  # megatron-core creates tensors on torch.cuda.current_device() in places
+                torch.cuda.current_device()
+            except (AssertionError, RuntimeError):
+                raise ConfigError(
+                    "train.backend=megatron needs a CUDA device (megatron-core assumes CUDA); use train.backend=torch on CPU"
+                ) from None
+        init_parallel(self.mcfg, device)
+        if device.type == "cuda":
+            self.device = device = torch.device("cuda", torch.cuda.current_device())
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.ep = ps.get_expert_model_parallel_world_size()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
+        if dist.get_world_size() != self.tp:
+            raise ConfigError(
+                f"the Megatron trainer runs no data parallelism yet: world size {dist.get_world_size()} must equal "
+                f"train.megatron.tensor_parallel ({self.tp}) (so expert_parallel must be 1)"
+            )
+        self.vocab_padded = padded_vocab(arch, self.tp)
+        recompute = bool(getattr(cfg.train, "activation_checkpointing", False))  # the torch trainer's switch, when present
+        self.model = build_gpt(arch, self.mcfg, device, bf16=precision.compute_dtype == torch.bfloat16, recompute=recompute)
+        self.load_hf(hf_state)
+        self.model.train()
+        t = cfg.train
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay
+        )
+
+    # ------------------------------------------------------------------ weights in HF names
+    def _is_te(self) -> bool:
+        return any(k.endswith("layer_norm_weight") for k in self.model.state_dict())
+
+    def load_hf(self, hf_state: Mapping[str, torch.Tensor]) -> None:
+        state = convert.hf_to_megatron(dict(hf_state), self.arch, self.vocab_padded, self.tp, self.tp_rank, self.ep, self.ep_rank)
+        if self._is_te():
+            state = convert.to_te_names(state, self.arch)
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state") and k != "output_layer.weight"]
+        if missing or unexpected:
+            raise ConfigError(f"HF -> Megatron conversion does not match the model: missing {missing[:4]}, unexpected {unexpected[:4]}")
+
+    def weights(self) -> Mapping[str, torch.Tensor]:
+        """The current weights in HF names (full tensors, gathered over tensor-parallel ranks)."""
+        local = {k: v.detach() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
+        hf = self.to_hf(local)
+        if self.arch.tie_word_embeddings:  # the engine's model has the tied head as its own key
+            hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+        return hf
+
+    def to_hf(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Any per-parameter tensors of this rank (weights, grads) -> full tensors in HF names."""
+        local = convert.from_te_names(local, self.arch)
+        if self.arch.tie_word_embeddings:
+            local.pop("output_layer.weight", None)
+        if self.arch.is_moe:
+            local = convert.globalize_experts(local, self.ep_rank, self.arch.num_experts // self.ep)
+        if self.tp == 1:
+            return convert.megatron_to_hf([local], self.arch)
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
+        for k in sorted(local):
+            parts = [torch.empty_like(local[k]) for _ in range(self.tp)]
+            dist.all_gather(parts, local[k].contiguous(), group=self.tp_group)
+            for r in range(self.tp):
+                shards[r][k] = parts[r]
+        return convert.megatron_to_hf(shards, self.arch)
+
+    # ------------------------------------------------------------------ forward
+    def _head(self) -> torch.Tensor:
+        return self.model.shared_embedding_or_output_weight() if self.arch.tie_word_embeddings else self.model.output_layer.weight
+
+    def _hidden(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Packed forward: (final hidden states [sum len_i, H], packed ids [sum len_i], offsets)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        dev = self.device
+        lens = (mb.prompt_lens + mb.response_lens).tolist()
+        ids = torch.cat([mb.input_ids[i, :n] for i, n in enumerate(lens)]).to(dev)
+        pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
+        offsets = [0]
+        for n in lens:
+            offsets.append(offsets[-1] + n)
+        cu = torch.tensor(offsets, dtype=torch.int32, device=dev)
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+        total = offsets[-1]
+        with self.precision.autocast(dev):
+            emb = self.model.embedding(input_ids=ids[None], position_ids=pos[None])  # [total, 1, H]
+            rope = self.model.rotary_pos_emb(total, packed_seq=True)
+            hidden = self.model.decoder(hidden_states=emb, attention_mask=None, rotary_pos_emb=rope, packed_seq_params=psp)
+        return hidden[:, 0], ids, offsets
+
+    def response_logprobs(self, mb: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs, entropy), each [n, T], for the response tokens of a micro-batch (zeros off the mask)."""
+        dev = self.device
+        hidden, ids, offsets = self._hidden(mb)
+        n, t_max = mb.response_mask.shape
+        rows, cols, where = [], [], []
+        for i in range(n):
+            r = int(mb.response_lens[i])
+            start = offsets[i] + int(mb.prompt_lens[i]) - 1  # this position predicts the first response token
+            rows += [i] * r
+            cols += list(range(r))
+            where.append(torch.arange(start, start + r))
+        where = torch.cat(where).to(dev)
+        h = hidden.index_select(0, where)
+        targets = ids.index_select(0, where + 1)
+        weight = self._head()
+        if self.tp == 1:
+            lp, ent = self.logprobs_op(h.to(weight.dtype), weight[: self.arch.vocab_size], targets, temperature=temperature)
+        else:
+            from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+            # identity forward, all-reduce backward: each rank's head shard gives a partial dL/dh
+            h = copy_to_tensor_model_parallel_region(h)
+            lp, ent = vocab_parallel_logprobs(
+                h.to(weight.dtype), weight, targets, vocab_start=self.tp_rank * weight.shape[0],
+                vocab_size=self.arch.vocab_size, group=self.tp_group, temperature=temperature,
+            )
+        idx = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+        mask = mb.response_mask.to(dev)
+        logp = torch.zeros(n, t_max, device=dev).index_put(idx, lp)
+        entropy = torch.zeros(n, t_max, device=dev).index_put(idx, ent)
+        return logp * mask, entropy * mask
+
+    def _temperature(self) -> float:
+        temp = self.cfg.rollout.temperature
+        return temp if temp > 0 else 1.0
+
+    def micro_batches(self, batch: TrainBatch) -> list[slice]:
+        """Consecutive samples, at most ``train.micro_batch_size`` of them and (when the config has
+        it) at most ``train.max_tokens_per_micro_batch`` packed tokens; a longer sample goes alone."""
+        t = self.cfg.train
+        budget = getattr(t, "max_tokens_per_micro_batch", None) or float("inf")
+        lens = (batch.prompt_lens + batch.response_lens).tolist()
+        out, start, used = [], 0, 0
+        for i, n in enumerate(lens):
+            if i > start and (i - start >= t.micro_batch_size or used + n > budget):
+                out.append(slice(start, i))
+                start, used = i, 0
+            used += n
+        if start < len(lens):
+            out.append(slice(start, len(lens)))
+        return out
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, temperature: float | None = None) -> torch.Tensor:
+        temperature = self._temperature() if temperature is None else temperature
+        out = [self.response_logprobs(batch.select(sl), temperature)[0].cpu() for sl in self.micro_batches(batch)]
+        return torch.cat(out)
+
+    # ------------------------------------------------------------------ training
+    def _reduce_replicated_grads(self) -> None:
+        """Sum over TP ranks the grads of replicated params that each rank only partly sees: the
+        q/k layernorms (each rank normalizes its own heads) and, with sequence parallelism, the
+        norms that see a slice of the sequence (params Megatron marks ``sequence_parallel``)."""
+        if self.tp == 1:
+            return
+        for name, p in self.model.named_parameters():
+            if p.grad is not None and (getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name):
+                dist.all_reduce(p.grad, group=self.tp_group)
+
+    def _clip(self, max_norm: float) -> float:
+        """Global grad norm over all TP ranks (a TP-replicated parameter counts once), then clip."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.tp == 1:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        sq = torch.zeros((), device=self.device, dtype=torch.float32)
+        for p in params:
+            if getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0:
+                sq += p.grad.float().pow(2).sum()
+        dist.all_reduce(sq, group=self.tp_group)
+        norm = float(sq.sqrt())
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1:
+            for p in params:
+                p.grad.mul_(coef)
+        return norm
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float | None = None, lr: float | None = None) -> dict[str, float]:
+        temperature = self._temperature() if temperature is None else temperature
+        cfg = self.cfg
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr if lr is not None else cfg.train.lr
+        self.optimizer.zero_grad(set_to_none=True)
+        num_tokens = int(batch.response_mask.sum())
+        num_seqs = batch.num_samples
+        max_len = batch.response_mask.shape[1]
+        sums: dict[str, float] = defaultdict(float)
+        total_loss = 0.0
+        dev = self.device
+        for sl in self.micro_batches(batch):
+            mb = batch.select(sl)
+            logp, ent = self.response_logprobs(mb, temperature)
+            mask = mb.response_mask.to(dev)
+            inputs = LossInputs(
+                logprobs=logp,
+                old_logprobs=mb.old_logprobs.to(dev),
+                advantages=mb.advantages.to(dev),
+                response_mask=mask,
+                rollout_logprobs=mb.rollout_logprobs.to(dev),
+                ref_logprobs=None if mb.ref_logprobs is None else mb.ref_logprobs.to(dev),
+                entropy=ent,
+                teacher_logprobs=None if mb.teacher_logprobs is None else mb.teacher_logprobs.to(dev),
+            )
+            out = loss_fn(inputs)
+            loss = aggregate_loss(out.loss, mask, cfg.algorithm, num_tokens, num_seqs, max_len)
+            loss.backward()
+            total_loss += float(loss.detach())
+            share = float(mask.sum()) / max(num_tokens, 1)
+            for k, v in out.metrics.items():
+                sums[k] += v * share
+            sums["entropy"] += float((ent.detach() * mask).sum()) / max(num_tokens, 1)
+        self._reduce_replicated_grads()
+        clip = cfg.train.grad_clip
+        grad_norm = self._clip(clip if clip > 0 else float("inf"))
+        self.optimizer.step()
+        return {"loss": total_loss, "grad_norm": grad_norm, **sums}
+
+    # ------------------------------------------------------------------ checkpoints
+    def _file(self) -> str:
+        return "trainer.pt" if self.tp == 1 else f"trainer-tp{self.tp_rank}.pt"
+
+    def _state(self) -> dict:
+        model = {k: v for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
+        return {"model": model, "optimizer": self.optimizer.state_dict()}
+
+    def save(self, path: Path) -> None:
+        path = Path(path)
+        if self.tp == 1:
+            from miles_core.models.checkpoint import atomic_dir
+
+            atomic_dir(path, lambda tmp: torch.save(self._state(), tmp / self._file()))
+            return
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = path / f".{self._file()}.tmp"
+        torch.save(self._state(), tmp)
+        tmp.replace(path / self._file())
+        dist.barrier(group=self.tp_group)
+
+    def load(self, path: Path) -> None:
+        state = torch.load(Path(path) / self._file(), map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state["model"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,186 @@
+"""The Megatron trainer against the torch trainer (same weights, same batch) and against transformers (MoE)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from megatron_helpers import VOCAB, batch, hf_model, hf_response_logprobs
+
+from miles_core.algorithms.aggregate import aggregate_loss
+from miles_core.algorithms.config import AlgorithmConfig
+from miles_core.algorithms.losses import ppo_clip
+from miles_core.config.schema import MilesConfig
+from miles_core.kernels.logprobs import logprobs_torch
+from miles_core.models.decoder import Decoder, DecoderConfig
+from miles_core.precision.base import PrecisionRecipe
+from miles_core.train.megatron import convert
+from miles_core.train.megatron.arch import arch_from_decoder, arch_from_hf
+from miles_core.train.megatron.logprobs import vocab_parallel_logprobs
+from miles_core.train.torch_trainer import TorchTrainer
+from miles_core.types import LossInputs
+
+KERNELS = {"logprobs": logprobs_torch}
+FP32 = PrecisionRecipe("fp32")
+
+
+def _config(loss_agg: str) -> MilesConfig:
+    cfg = MilesConfig()
+    cfg.train.micro_batch_size = 2  # 3 samples -> two micro-batches, exercising accumulation
+    cfg.train.lr = 1e-2
+    cfg.train.grad_clip = 0.5  # small enough that clipping is active
+    cfg.rollout.temperature = 0.8
+    cfg.algorithm = AlgorithmConfig(loss_agg=loss_agg)
+    return cfg
+
+
+def off_policy(logprobs: torch.Tensor, b) -> torch.Tensor:
+    """Old-policy logprobs off by a seeded amount, so that the PPO ratio is not 1 and clipping is active."""
+    return (logprobs + 0.3 * torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(2))) * b.response_mask
+
+
+def _decoder(qk_norm: bool, tied: bool) -> Decoder:
+    torch.manual_seed(0)
+    dec = Decoder(DecoderConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                intermediate_size=48, qk_norm=qk_norm, tie_word_embeddings=tied))
+    with torch.no_grad():
+        for name, p in dec.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    return dec
+
+
+@pytest.mark.parametrize("qk_norm,tied,loss_agg", [(True, True, "token_mean"), (False, False, "seq_mean_token_mean")])
+def test_same_logprobs_loss_and_update_as_torch_trainer(megatron_cpu, qk_norm, tied, loss_agg):
+    from miles_core.train.megatron.trainer import MegatronTrainer
+
+    torch.set_num_threads(1)
+    cfg = _config(loss_agg)
+    dec = _decoder(qk_norm, tied)
+    state = {k: v.clone() for k, v in dec.state_dict().items()}
+    torch_tr = TorchTrainer(dec, cfg, torch.device("cpu"), FP32, KERNELS)
+    mega = MegatronTrainer(arch_from_decoder(dec.config), state, cfg, torch.device("cpu"), FP32, KERNELS)
+    b = batch()
+
+    lp_t, lp_m = torch_tr.compute_logprobs(b), mega.compute_logprobs(b)
+    assert lp_t.abs().max() > 1.0
+    torch.testing.assert_close(lp_m, lp_t, atol=1e-5, rtol=0)
+
+    b.old_logprobs = off_policy(lp_t, b)
+    loss_fn = functools.partial(ppo_clip, cfg=cfg.algorithm)
+    m_t = torch_tr.train_step(b, loss_fn)
+    m_m = mega.train_step(b, loss_fn)
+    assert m_t["clip_frac"] > 0
+    assert m_t["grad_norm"] > cfg.train.grad_clip  # the clip really scaled the gradient
+    for key in ("loss", "grad_norm", "clip_frac", "approx_kl", "entropy"):
+        assert m_m[key] == pytest.approx(m_t[key], abs=1e-5, rel=1e-5), key
+
+    # the clipped gradients, in HF names, agree to fp32 rounding
+    grads_t = {n: p.grad for n, p in torch_tr.model.named_parameters()}
+    grads_m = _megatron_grads(mega)
+    for k, g in grads_t.items():
+        torch.testing.assert_close(grads_m[k], g, atol=1e-6, rtol=1e-4, msg=lambda m: f"grad {k}: {m}")
+
+    after_t = torch_tr.weights()
+    after_m = mega.weights()
+    assert set(after_m) == set(after_t)
+    moved = max(float((after_t[k] - state[k]).abs().max()) for k in after_t)
+    assert moved > 5e-3  # the step moved the weights (lr 1e-2) ...
+    # ... and both trainers moved them the same way. Adam's first step is ~lr * g / |g|, which
+    # amplifies fp32 rounding where |g| is tiny, so the bound is 1% of one step (1e-4), not 1e-5.
+    for k in after_t:
+        torch.testing.assert_close(after_m[k], after_t[k], atol=1e-4, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+def _megatron_grads(trainer) -> dict[str, torch.Tensor]:
+    return trainer.to_hf({n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None})
+
+
+def test_moe_train_step_matches_transformers(megatron_cpu):
+    """Qwen3-MoE: one SFT step of the Megatron trainer equals the same step taken by hand on the
+    transformers model (same logprobs, aggregation, clipping and AdamW), router and experts included."""
+    from miles_core.algorithms.losses import sft
+    from miles_core.train.megatron.trainer import MegatronTrainer
+
+    torch.set_num_threads(1)
+    cfg = _config("token_mean")
+    cfg.rollout.temperature = 1.0
+    model = hf_model("qwen3_moe")
+    arch = arch_from_hf(model.config.to_dict())
+    mega = MegatronTrainer(arch, model.state_dict(), cfg, torch.device("cpu"), FP32, KERNELS)
+    b = batch()
+    loss_fn = functools.partial(sft, cfg=cfg.algorithm)
+    metrics = mega.train_step(b, loss_fn)
+
+    # the reference step on transformers
+    t = cfg.train
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)
+    model.train()
+    lp = hf_response_logprobs(model, b)
+    out = loss_fn(LossInputs(lp, b.old_logprobs, b.advantages, b.response_mask))
+    loss = aggregate_loss(out.loss, b.response_mask, cfg.algorithm, int(b.response_mask.sum()), b.num_samples, b.response_mask.shape[1])
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), t.grad_clip)
+    opt.step()
+    assert metrics["loss"] == pytest.approx(float(loss), abs=1e-5)
+    assert metrics["grad_norm"] == pytest.approx(float(norm), rel=1e-4)
+    ref_grads = convert.split_fused_experts({n: p.grad for n, p in model.named_parameters()})
+    got_grads = _megatron_grads(mega)
+    for k, g in ref_grads.items():
+        torch.testing.assert_close(got_grads[k], g, atol=1e-6, rtol=1e-4, msg=lambda m: f"grad {k}: {m}")
+    ref = convert.split_fused_experts(dict(model.state_dict()))
+    got = mega.weights()
+    for k, v in ref.items():  # 2% of one Adam step (see the dense test; router grads have ~1e-8 entries)
+        torch.testing.assert_close(got[k], v, atol=2e-4, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+def test_vocab_parallel_logprobs_equals_reference_at_tp1(megatron_cpu):
+    """At one TP rank the reductions are identities: values and gradients equal logprobs_torch;
+    a padded vocab row (index >= vocab_size) is masked out."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(10, 8, generator=g, requires_grad=True)
+    w = torch.randn(7, 8, generator=g, requires_grad=True)
+    y = torch.randint(0, 6, (10,), generator=g)
+    lp, ent = vocab_parallel_logprobs(h, w, y, vocab_start=0, vocab_size=6, temperature=0.7, chunk_size=4)
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    lp2, ent2 = logprobs_torch(h2, w2[:6], y, temperature=0.7)
+    torch.testing.assert_close(lp, lp2, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ent2, atol=1e-5, rtol=0)
+    (lp.sum() + 0.5 * ent.sum()).backward()
+    (lp2.sum() + 0.5 * ent2.sum()).backward()
+    torch.testing.assert_close(h.grad, h2.grad, atol=1e-5, rtol=0)
+    torch.testing.assert_close(w.grad, w2.grad, atol=1e-5, rtol=0)  # row 6 (padding) gets no gradient
+    assert float(w.grad[6].abs().sum()) == 0.0
+
+
+def test_registered_as_megatron_trainer(megatron_cpu, miles_plugins, tmp_path):
+    """The plugin registers "megatron"; its factory builds from the run's Decoder, and
+    save/load restores the model and optimizer."""
+    from types import SimpleNamespace
+
+    torch.set_num_threads(1)
+    factory = miles_plugins.registries.trainers.get("megatron")
+    cfg = _config("token_mean")
+    cfg.train.backend = "megatron"
+    cfg.validate()
+    dec = _decoder(True, True)
+    ctx = SimpleNamespace(config=cfg, plugins=miles_plugins, device=torch.device("cpu"), kernels=KERNELS)
+    tr = factory(ctx, dec)
+    b = batch()
+    before = tr.compute_logprobs(b)
+    tr.save(tmp_path / "ckpt")
+    b.old_logprobs = before
+    tr.train_step(b, functools.partial(ppo_clip, cfg=cfg.algorithm))
+    assert not torch.allclose(tr.compute_logprobs(b), before)
+    tr.load(tmp_path / "ckpt")
+    torch.testing.assert_close(tr.compute_logprobs(b), before, atol=0, rtol=0)
+
+
+def test_unsupported_parallelism_is_a_config_error():
+    from miles_core.errors import ConfigError
+
+    cfg = MilesConfig()
+    cfg.train.backend = "megatron"
+    cfg.train.megatron.pipeline_parallel = 2
+    with pytest.raises(ConfigError, match="train.megatron.pipeline_parallel"):
+        cfg.validate()
