@@ -89,6 +89,6 @@ class Critic:
             "value_loss": total,
             "value_clip_frac": clipped_tokens / num_tokens,
             "value_grad_norm": float(grad_norm),
-            # 1 - Var(R - V_old) / Var(R): how much of the return the rollout-time values explained
+            # 1 - MSE(V_old, R) / Var(R): how much of the return the rollout-time values explained
             "value_explained_var": 1.0 - (sq_err / num_tokens) / max(ret_var, 1e-8),
         }
