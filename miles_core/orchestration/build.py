@@ -132,7 +132,10 @@ def check_algorithm(cfg: MilesConfig) -> None:
 def load_teacher(cfg: MilesConfig, families, vocab_size: int) -> nn.Module | None:
     if not cfg.algorithm.needs_teacher:
         return None
-    teacher, _ = load_hf_folder(Path(cfg.algorithm.teacher_checkpoint), families)
+    try:
+        teacher, _ = load_hf_folder(Path(cfg.algorithm.teacher_checkpoint), families)
+    except ConfigError as exc:
+        raise ConfigError(f"algorithm.teacher_checkpoint: {exc}") from None
     if teacher.config.vocab_size != vocab_size:
         raise ConfigError(
             f"algorithm.teacher_checkpoint: the teacher's vocab ({teacher.config.vocab_size}) differs from the policy's "
