@@ -90,6 +90,7 @@ class AdvantageInputs:
     old_logprobs: torch.Tensor | None = None  # [N, T]
     ref_logprobs: torch.Tensor | None = None  # [N, T]
     values: torch.Tensor | None = None  # [N, T], critic estimates (PPO)
+    teacher_logprobs: torch.Tensor | None = None  # [N, T], on-policy distillation
 
 
 @dataclass

@@ -6,7 +6,9 @@ For a group of G samples of one prompt with rewards r_1..r_G:
     A_i =  r_i - mean(r)                          (normalize_std=False: Dr.GRPO, arXiv:2503.20783)
 
 ``std`` is the unbiased sample std (torch default); a group whose rewards are all equal gets
-advantage 0. The sample's advantage is broadcast to all of its response tokens.
+advantage 0, and so does a group of one sample. The sample's advantage is broadcast to all of its
+response tokens. With ``kl_mode=reward``, r_i is the reward minus kl_coef times the sequence's
+summed KL to the reference (see returns.py).
 Shapes: rewards [N], group_ids [N], response_mask [N, T] -> advantages [N, T].
 """
 
@@ -15,25 +17,31 @@ from __future__ import annotations
 import torch
 
 from miles_core.algorithms.config import AlgorithmConfig
+from miles_core.algorithms.returns import sequence_rewards
 from miles_core.types import AdvantageInputs, AdvantageOutputs
 
 EPS = 1e-6
 
 
-def group_normalized(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool) -> torch.Tensor:
-    """Per-sample (r - group mean) [/ group std], for groups of any (uneven) sizes."""
-    rewards = rewards.float()
+def group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(group sum, group size, group index) per sample, for groups of any (uneven) sizes."""
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     sums = torch.zeros(len(counts), dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, rewards)
-    mean = sums / counts
-    centered = rewards - mean[inverse]
+    return sums[inverse], counts[inverse].to(rewards.dtype), inverse
+
+
+def group_normalized(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool) -> torch.Tensor:
+    """Per-sample (r - group mean) [/ group std]."""
+    rewards = rewards.float()
+    sums, counts, inverse = group_stats(rewards, group_ids)
+    centered = rewards - sums / counts
     if not normalize_std:
         return centered
-    sq = torch.zeros_like(sums).index_add_(0, inverse, centered**2)
-    var = sq / (counts - 1).clamp(min=1)
-    return centered / (var.sqrt()[inverse] + EPS)
+    sq = torch.zeros(int(inverse.max()) + 1, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, centered**2)
+    var = sq[inverse] / (counts - 1).clamp(min=1)
+    return centered / (var.sqrt() + EPS)
 
 
 def grpo(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> AdvantageOutputs:
-    adv = group_normalized(inputs.rewards, inputs.group_ids, cfg.normalize_std)
+    adv = group_normalized(sequence_rewards(inputs, cfg), inputs.group_ids, cfg.normalize_std)
     return AdvantageOutputs(advantages=adv[:, None] * inputs.response_mask)

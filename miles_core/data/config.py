@@ -14,6 +14,7 @@ class DataConfig:
     eval_path: str | None = None  # JSONL prompts for held-out eval (task=jsonl)
     prompt_key: str = "prompt"  # JSONL key of the prompt text
     label_key: str = "label"  # JSONL key of the reference answer
+    response_key: str = "response"  # JSONL key of the target response (run.mode=sft)
     num_eval: int = 128  # held-out prompts per eval (synthetic tasks)
 
     def validate(self) -> None:

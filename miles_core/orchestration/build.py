@@ -44,6 +44,7 @@ class Components:
     backend_factory: Any
     trainer_factory: Any
     transport: Any
+    teacher: nn.Module | None = None  # on-policy distillation teacher (algorithm.teacher_checkpoint)
 
 
 def model_source(cfg: MilesConfig) -> str | None:
@@ -107,7 +108,10 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
     algo = cfg.algorithm
     estimator = regs.advantage_estimators.get(algo.advantage_estimator, key="algorithm.advantage_estimator")
     loss = regs.policy_losses.get(algo.policy_loss, key="algorithm.policy_loss")
-    sft = regs.policy_losses.get("sft", key="train.sft_warmup_steps") if cfg.train.sft_warmup_steps else None
+    needs_sft = cfg.train.sft_warmup_steps or cfg.run.mode == "sft"
+    sft = regs.policy_losses.get("sft", key="train.sft_warmup_steps") if needs_sft else None
+    check_algorithm(cfg)
+    teacher = load_teacher(cfg, families=regs.model_families, vocab_size=model.config.vocab_size)
     regs.precision_recipes.get(cfg.train.precision, key="train.precision")
     return Components(
         ctx=ctx,
@@ -122,7 +126,32 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
         backend_factory=regs.rollout_backends.get(cfg.rollout.backend, key="rollout.backend"),
         trainer_factory=regs.trainers.get(cfg.train.backend, key="train.backend"),
         transport=regs.weight_transports.get(cfg.sync.transport, key="sync.transport")(ctx),
+        teacher=teacher,
     )
+
+
+def check_algorithm(cfg: MilesConfig) -> None:
+    """Checks of the algorithm section that need other sections."""
+    a, r = cfg.algorithm, cfg.rollout
+    if a.overlong_buffer >= r.max_response_len:
+        raise ConfigError(
+            f"algorithm.overlong_buffer ({a.overlong_buffer}) must be below rollout.max_response_len ({r.max_response_len})"
+        )
+
+
+def load_teacher(cfg: MilesConfig, families, vocab_size: int) -> nn.Module | None:
+    if not cfg.algorithm.needs_teacher:
+        return None
+    try:
+        teacher, _ = load_hf_folder(Path(cfg.algorithm.teacher_checkpoint), families)
+    except ConfigError as exc:
+        raise ConfigError(f"algorithm.teacher_checkpoint: {exc}") from None
+    if teacher.config.vocab_size != vocab_size:
+        raise ConfigError(
+            f"algorithm.teacher_checkpoint: the teacher's vocab ({teacher.config.vocab_size}) differs from the policy's "
+            f"({vocab_size}); distillation needs the same tokenizer"
+        )
+    return teacher
 
 
 def tokenizer_files(tokenizer) -> dict[str, str]:

@@ -8,6 +8,7 @@ from miles_core.errors import ConfigError
 @dataclass
 class RunConfig:
     name: str = "run"
+    mode: str = "rl"  # rl: the RL loop | sft: supervised training only, on data.train_path (or the task's references)
     seed: int = 0  # (--seed)
     num_rollout: int = 20  # RL steps (--num-rollout)
     eval_every: int = 5  # held-out eval every N steps (and before the first and after the last)
@@ -19,6 +20,8 @@ class RunConfig:
     num_threads: int = 0  # torch CPU threads; 0 leaves torch's default
 
     def validate(self) -> None:
+        if self.mode not in ("rl", "sft"):
+            raise ConfigError(f"run.mode must be 'rl' or 'sft', got '{self.mode}'")
         if self.num_rollout < 0:
             raise ConfigError(f"run.num_rollout must be >= 0, got {self.num_rollout}")
         if self.save_interval < 0:

@@ -10,8 +10,15 @@ from typing import Any
 
 import torch
 
+from miles_core.algorithms.distill import add_distillation
+from miles_core.algorithms.masked import masked_mean
+from miles_core.algorithms.mismatch import mismatch_metrics
+from miles_core.algorithms.stats import advantage_metrics
+from miles_core.orchestration.aux_models import AuxModels, build_aux_models
 from miles_core.orchestration.build import Components, tokenizer_files
 from miles_core.orchestration.checkpoint import LoopState, find_checkpoint, load_checkpoint, save_checkpoint
+from miles_core.orchestration.collect import collect
+from miles_core.orchestration.sft_loop import run_sft
 from miles_core.rewards.runner import score_samples
 from miles_core.rollout.base import SamplingParams
 from miles_core.train.batch import make_train_batch
@@ -63,39 +70,50 @@ def evaluate(c: Components, backend, prompts: list[Prompt]) -> dict[str, float]:
     return {"eval_accuracy": sum(correct) / len(correct), "eval_reward": sum(rewards) / len(rewards)}
 
 
-def rl_step(c: Components, backend, trainer, prompts: list[Prompt], step: int, timer: Timer) -> tuple[list[Sample], dict[str, Any]]:
+def rl_step(c: Components, backend, trainer, aux: AuxModels, next_prompts, step: int, timer: Timer) -> tuple[list[Sample], dict[str, Any]]:
     cfg = c.ctx.config
     tok = c.ctx.tokenizer
-    r = cfg.rollout
+    r, algo = cfg.rollout, cfg.algorithm
     params = SamplingParams(r.max_response_len, r.temperature, r.top_p, r.top_k, stop=r.stop)
     with timer("rollout"):
-        samples = backend.generate(prompts, params, n=r.n_samples_per_prompt)
-    with timer("reward"):
-        rewards = score_samples(c.reward_fn, c.reward_name, samples, cfg.reward.timeout_s)
+        samples, metrics = collect(c, backend, next_prompts, params)
+    rewards = [s.reward for s in samples]
     c.ctx.plugins.after_rollout(c.ctx, step, samples)
+    if not samples:  # dynamic sampling found no informative group: nothing to train on
+        return samples, {**metrics, "reward_mean": float("nan"), "skipped": 1.0}
     batch = make_train_batch(samples, tok.pad_token_id)
     with timer("logprobs"):
         batch.old_logprobs = trainer.compute_logprobs(batch)
-        if cfg.algorithm.kl_coef > 0:
+        if cfg.algorithm.needs_reference:
             batch.ref_logprobs = trainer.compute_ref_logprobs(batch)
+        if aux.teacher is not None:
+            batch.teacher_logprobs = aux.teacher.compute_logprobs(batch)
+        if aux.critic is not None:
+            batch.values = aux.critic.compute_values(batch)
     with timer("advantage"):
-        adv = c.advantage_estimator(
-            AdvantageInputs(
-                rewards=torch.tensor(rewards),
-                group_ids=torch.tensor([s.group_id for s in samples]),
-                response_mask=batch.response_mask,
-                old_logprobs=batch.old_logprobs,
-            ),
-            cfg.algorithm,
+        inputs = AdvantageInputs(
+            rewards=torch.tensor(rewards),
+            group_ids=torch.tensor([s.group_id for s in samples]),
+            response_mask=batch.response_mask,
+            old_logprobs=batch.old_logprobs,
+            ref_logprobs=batch.ref_logprobs,
+            values=batch.values,
+            teacher_logprobs=batch.teacher_logprobs,
         )
+        adv = add_distillation(c.advantage_estimator(inputs, algo), inputs, algo)
         batch.advantages, batch.returns = adv.advantages, adv.returns
-    metrics: dict[str, Any] = {}
     with timer("train"):
         order = torch.randperm(batch.num_samples)
         for part in order.chunk(cfg.train.updates_per_rollout):
-            metrics = trainer.train_step(batch.select(part), c.policy_loss)
+            metrics.update(trainer.train_step(batch.select(part), c.policy_loss))
+            if aux.critic is not None:
+                metrics.update(aux.critic.train_step(batch.select(part)))
     mask = batch.response_mask
     n_tokens = float(mask.sum())
+    metrics.update(advantage_metrics(batch.advantages, mask))
+    metrics.update(mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, mask))
+    if batch.teacher_logprobs is not None:
+        metrics["distill_reverse_kl"] = float(masked_mean(batch.old_logprobs - batch.teacher_logprobs, mask))
     metrics.update(
         reward_mean=sum(rewards) / len(rewards),
         train_accuracy=sum(c.task.score(s.response, s.label) >= 1.0 for s in samples) / len(samples),
@@ -123,6 +141,10 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
     resume = find_checkpoint(cfg.run.load)
     consumed, start, first_eval = 0, 1, None
     try:
+        if cfg.run.mode == "sft":
+            refs = _reference_samples(eval_prompts, c.task, tok)
+            summary = run_sft(c, backend, trainer, eval_prompts, refs, evaluate, on_metrics)
+            return summary, trainer
         t = cfg.train
         if resume is not None:  # continue a --save folder: skip warm-up, replay the prompt stream
             state = load_checkpoint(resume, trainer, backend)
@@ -143,6 +165,18 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             c.transport.push(trainer.weights(), version, backend)
             ctx.plugins.after_weight_sync(ctx, version)
         if resume is None:
+            trainer.reset_reference()  # the KL reference is the policy as RL starts (after warm-up)
+        aux = build_aux_models(c, trainer)
+
+        def next_prompts(n: int) -> list[Prompt]:
+            nonlocal consumed
+            prompts = _tokenize(list(itertools.islice(stream, n)), tok)
+            consumed += len(prompts)
+            for p in prompts:
+                p.metadata.setdefault("step", step)
+            return prompts
+
+        if resume is None:
             record = {"phase": "rl", "step": 0, "weight_version": version, **evaluate(c, backend, eval_prompts)}
             history.append(record)
             on_metrics(record)
@@ -150,11 +184,7 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
         for step in range(start, cfg.run.num_rollout + 1):
             timer = Timer()
             t0 = time.perf_counter()
-            prompts = _tokenize(list(itertools.islice(stream, cfg.rollout.batch_size)), tok)
-            consumed += len(prompts)
-            for p in prompts:
-                p.metadata.setdefault("step", step)
-            samples, metrics = rl_step(c, backend, trainer, prompts, step, timer)
+            samples, metrics = rl_step(c, backend, trainer, aux, next_prompts, step, timer)
             ctx.plugins.after_train_step(ctx, step, metrics)
             with timer("sync"):
                 version += 1

@@ -23,6 +23,9 @@ class Trainer(Protocol):
         """[N, T] logprobs under the frozen reference model (the initial weights), without grad.
         Called by the loop when algorithm.kl_coef > 0."""
 
+    def reset_reference(self) -> None:
+        """Make the KL reference a frozen copy of the current weights (called as RL starts)."""
+
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over ``batch`` (split into micro-batches), returning metrics."""
 

@@ -131,6 +131,13 @@ class TorchTrainer:
             raise ConfigError("reference logprobs need a reference model: set algorithm.kl_coef > 0")
         return self._logprobs(self.ref, batch, temperature)
 
+    @torch.no_grad()
+    def reset_reference(self) -> None:
+        """Make the KL reference a frozen copy of the current weights (no-op without a reference)."""
+        if self.ref is not None:
+            for dst, src in zip(self.ref.parameters(), self.policy.parameters(), strict=True):
+                dst.copy_(src)
+
     # ------------------------------------------------------------------ training
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float | None = None, lr: float | None = None) -> dict[str, float]:
         """One optimizer step. ``lr`` overrides the schedule (and does not advance it)."""

@@ -15,7 +15,9 @@ def _megatron(ctx, model):
     from miles_core.train.megatron.trainer import MegatronTrainer
 
     precision = ctx.plugins.registries.precision_recipes.get(ctx.config.train.precision, key="train.precision")
-    return MegatronTrainer(arch_from_decoder(model.config), model.state_dict(), ctx.config, ctx.device, precision, ctx.kernels)
+    trainer = MegatronTrainer(arch_from_decoder(model.config), model.state_dict(), ctx.config, ctx.device, precision, ctx.kernels)
+    trainer.decoder_config = model.config  # written into config.json on HF export
+    return trainer
 
 
 @hookimpl

@@ -200,6 +200,32 @@ class MegatronTrainer:
         return torch.cat(out)
 
     # ------------------------------------------------------------------ training
+    # ------------------------------------------------------------------ KL reference
+    @torch.no_grad()
+    def reset_reference(self) -> None:
+        """Snapshot the current weights as the frozen KL reference (only when a KL term needs one)."""
+        self._ref = [p.detach().clone() for p in self.model.parameters()] if self.cfg.algorithm.needs_reference else None
+
+    @torch.no_grad()
+    def compute_ref_logprobs(self, batch: TrainBatch, temperature: float | None = None) -> torch.Tensor:
+        """Logprobs under the reference snapshot: swap it into the model, score, swap back."""
+        if getattr(self, "_ref", None) is None:
+            raise ConfigError("reference logprobs need a reference model: set algorithm.kl_coef > 0")
+        params = list(self.model.parameters())
+        current = [p.detach().clone() for p in params]
+        for p, r in zip(params, self._ref, strict=True):
+            p.copy_(r)
+        try:
+            return self.compute_logprobs(batch, temperature)
+        finally:
+            for p, c in zip(params, current, strict=True):
+                p.copy_(c)
+
+    def export_hf(self, family, dest: Path, extra_files: dict[str, str] | None = None) -> None:
+        from miles_core.models.checkpoint import save_hf_state
+
+        save_hf_state(dict(self.weights()), self.decoder_config, family, Path(dest), extra_files)
+
     def _reduce_replicated_grads(self) -> None:
         """Sum over TP ranks the grads of replicated params that each rank only partly sees: the
         q/k layernorms (each rank normalizes its own heads) and, with sequence parallelism, the

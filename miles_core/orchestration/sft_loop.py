@@ -1,0 +1,86 @@
+"""``run.mode=sft``: supervised training only, no rollouts for training.
+
+Examples come from ``data.train_path`` (JSONL (prompt, response) pairs with optional loss masks,
+miles_core/data/sft.py) or, without a file, from the task's reference answers. Each of the
+``run.num_rollout`` steps is one optimizer step on ``train.sft_batch_size`` examples (epochs are
+reshuffled with the run seed) at ``train.sft_lr`` (or ``train.lr``). Every ``run.eval_every``
+steps, and before the first and after the last, the weights go to the engine and the held-out
+prompts are decoded greedily (``eval_accuracy``); ``eval_nll`` is the mean per-token NLL of the
+held-out reference answers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from miles_core.algorithms.masked import masked_mean
+from miles_core.data.sft import read_sft_examples
+from miles_core.train.batch import make_train_batch
+from miles_core.types import Sample
+
+
+def _examples(c, rng: random.Random) -> Iterator[Sample]:
+    cfg, tok = c.ctx.config, c.ctx.tokenizer
+    if cfg.data.train_path:
+        pool = read_sft_examples(cfg.data.train_path, cfg.data.prompt_key, cfg.data.response_key, tok)
+        while True:
+            order = list(range(len(pool)))
+            rng.shuffle(order)
+            yield from (pool[i] for i in order)
+    from miles_core.orchestration.loop import _reference_samples, _tokenize
+
+    for p in c.task.train_prompts(rng):
+        yield from _reference_samples(_tokenize([p], tok), c.task, tok)
+
+
+def eval_nll(c, trainer, eval_refs: list[Sample]) -> float:
+    batch = make_train_batch(eval_refs, c.ctx.tokenizer.pad_token_id)
+    return float(-masked_mean(trainer.compute_logprobs(batch, temperature=1.0), batch.response_mask))
+
+
+def run_sft(c, backend, trainer, eval_prompts, eval_refs, evaluate, on_metrics) -> dict[str, Any]:
+    cfg, t = c.ctx.config, c.ctx.config.train
+    stream = _examples(c, random.Random(cfg.run.seed))
+    version = 0
+    history = []
+
+    def do_eval(step: int, record: dict[str, Any]) -> None:
+        nonlocal version
+        version += 1
+        c.transport.push(trainer.weights(), version, backend)
+        c.ctx.plugins.after_weight_sync(c.ctx, version)
+        record.update(evaluate(c, backend, eval_prompts), eval_nll=eval_nll(c, trainer, eval_refs))
+
+    first: dict[str, Any] = {"phase": "sft", "step": 0}
+    do_eval(0, first)
+    history.append(first)
+    on_metrics(first)
+    for step in range(1, cfg.run.num_rollout + 1):
+        t0 = time.perf_counter()
+        batch = make_train_batch(list(itertools.islice(stream, t.sft_batch_size)), c.ctx.tokenizer.pad_token_id)
+        record: dict[str, Any] = {"phase": "sft", "step": step, **trainer.train_step(batch, c.sft_loss, temperature=1.0, lr=t.sft_lr or t.lr)}
+        c.ctx.plugins.after_train_step(c.ctx, step, record)
+        if step % cfg.run.eval_every == 0 or step == cfg.run.num_rollout:
+            do_eval(step, record)
+        record["time_step"] = time.perf_counter() - t0
+        history.append(record)
+        on_metrics(record)
+    evals = [h for h in history if "eval_accuracy" in h]
+    trains = [h["nll"] for h in history if "nll" in h]
+    return {
+        "status": "completed",
+        "mode": "sft",
+        "steps": cfg.run.num_rollout,
+        "weight_version": version,
+        "eval_accuracy_first": evals[0]["eval_accuracy"],
+        "eval_accuracy_last": evals[-1]["eval_accuracy"],
+        "eval_accuracy_gain": evals[-1]["eval_accuracy"] - evals[0]["eval_accuracy"],
+        "eval_nll_first": evals[0]["eval_nll"],
+        "eval_nll_last": evals[-1]["eval_nll"],
+        "train_nll_first": trains[0] if trains else None,
+        "train_nll_last": trains[-1] if trains else None,
+    }
