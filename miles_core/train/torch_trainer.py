@@ -36,6 +36,10 @@ class TorchTrainer:
 
     def response_logprobs(self, mb: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs, entropy), each [n, T], for the response tokens of a micro-batch."""
+        with self.precision.kernel_mode(self.device):
+            return self._response_logprobs(mb, temperature)
+
+    def _response_logprobs(self, mb: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.device
         length = int((mb.prompt_lens + mb.response_lens).max())
         ids = mb.input_ids[:, :length].to(dev)
