@@ -45,7 +45,7 @@ def _logits_tile(h_ptr, w_ptr, rm, rv, M, V, K, s_hm, s_hk, s_wv, s_wk,
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # a row's bits must not depend on M
 def _fwd_kernel(h_ptr, w_ptr, t_ptr, lp_ptr, ent_ptr, lse_ptr, M, V, K, s_hm, s_hk, s_wv, s_wk, temperature,
                 BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -74,7 +74,7 @@ def _fwd_kernel(h_ptr, w_ptr, t_ptr, lp_ptr, ent_ptr, lse_ptr, M, V, K, s_hm, s_
     tl.store(lse_ptr + rm, lse, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _bwd_kernel(h_ptr, w_ptr, t_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, d_ptr, M, V, K, v_start, S,
                 s_hm, s_hk, s_wv, s_wk, s_dm, temperature,
                 BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
