@@ -58,6 +58,23 @@ def test_attention_padding_and_decode_invariance(device):
     torch.testing.assert_close(train.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+def test_mode_routes_each_op_to_its_kernel(device, monkeypatch):
+    import miles_nvidia.batch_invariant.mode as mode
+
+    calls = []
+    for name in ("bi_matmul", "bi_row_sum", "bi_log_softmax", "bi_attention"):
+        real = getattr(mode, name)
+        monkeypatch.setattr(mode, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    a, w = torch.randn(4, 32, device=device), torch.randn(16, 32, device=device)
+    q = torch.randn(1, 2, 5, 16, device=device)
+    with BatchInvariantMode(torch.bfloat16):
+        assert (a @ w.t()).dtype == torch.bfloat16 and F.linear(a, w).dtype == torch.bfloat16
+        a.pow(2).mean(-1, keepdim=True), a.sum(-1), torch.log_softmax(a, -1)
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        a.sum(0)  # not the last dim: left to torch
+    assert calls == ["bi_matmul", "bi_matmul", "bi_row_sum", "bi_row_sum", "bi_log_softmax", "bi_attention"]
+
+
 def test_mode_intercepts_and_keeps_gradients(device):
     x = torch.randn(3, 5, 32, device=device, requires_grad=True)
     w = torch.randn(24, 32, device=device, requires_grad=True)

@@ -83,11 +83,12 @@ def fp8_gemm(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16, backend:
     """Dispatch: ``backend`` is auto | scaled_mm | triton | emulated."""
     if backend == "auto":
         if a_q.is_cuda and scaled_mm_supported(a_q.device) and a_q.shape[1] % BLOCK == 0 and b_q.shape[0] % BLOCK == 0:
-            backend = "scaled_mm"
-        elif a_q.is_cuda:
-            backend = "triton"
+            try:
+                return fp8_gemm(a_q, a_s, b_q, b_s, b_rows, out_dtype, "scaled_mm")
+            except RuntimeError:  # a torch/cuBLAS without blockwise scaling (< 2.9 or CUDA < 12.9)
+                backend = "triton"
         else:
-            backend = "emulated"
+            backend = "triton" if a_q.is_cuda else "emulated"
     if backend == "scaled_mm":
         m = a_q.shape[0]
         pad = (-m) % 16  # cuBLASLt wants M aligned
