@@ -43,11 +43,19 @@ def dequantize_blockwise(q: torch.Tensor, scale: torch.Tensor, rows: int, cols: 
     return (q.float() * full).to(dtype)
 
 
+def _quantize(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda:  # one fused pass instead of ~6 torch passes
+        from miles_nvidia.fp8.quant_triton import quantize_triton
+
+        return quantize_triton(x, rows)
+    return quantize_blockwise(x, rows)
+
+
 def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 tiles: ``scale`` [M, ceil(K/128)]."""
-    return quantize_blockwise(x, 1)
+    return _quantize(x, 1)
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """128x128 blocks: ``scale`` [ceil(N/128), ceil(K/128)]."""
-    return quantize_blockwise(w, BLOCK)
+    return _quantize(w, BLOCK)
