@@ -58,13 +58,13 @@ def naive_logprobs(h, w, t):
     return logp.gather(-1, t[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
-def bench_logprobs(quick: bool):
+def bench_logprobs(quick: bool, hiddens=(1024,)):
     from miles_core.kernels.logprobs import logprobs_torch
     from miles_nvidia.kernels.logprobs import logprobs_triton
 
     m, v = (4096 if quick else 16384), 151936
     out = []
-    for hdim in (1024, 4096):
+    for hdim in hiddens:
         h = torch.randn(m, hdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w = (torch.randn(v, hdim, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
         t = torch.randint(0, v, (m,), device="cuda")
