@@ -119,7 +119,8 @@ def test_triton_quantiser_matches_torch(rows):
     from miles_nvidia.fp8.quant import quantize_blockwise
     from miles_nvidia.fp8.quant_triton import quantize_triton
 
-    x = (torch.randn(130, 300) * torch.logspace(-2, 2, 300)).to(torch.bfloat16)
+    m = 20 if rows == 1 else 130  # the interpreter runs one program per tile: keep them few
+    x = (torch.randn(m, 300) * torch.logspace(-2, 2, 300)).to(torch.bfloat16)
     q, s = quantize_triton(x, rows)
     rq, rs = quantize_blockwise(x, rows)
     assert torch.equal(s, rs)
