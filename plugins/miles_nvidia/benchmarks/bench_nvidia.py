@@ -209,7 +209,7 @@ def bench_loss(quick: bool):
 # ---------------------------------------------------------------------------------- 4. batch-invariant
 def bench_bi(quick: bool):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from helpers import tiny_pair
+    from nvidia_helpers import tiny_pair
 
     from miles_core.rollout.base import SamplingParams
     from miles_core.train.batch import make_train_batch

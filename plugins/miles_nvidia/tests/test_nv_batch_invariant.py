@@ -90,7 +90,7 @@ def test_mode_intercepts_and_keeps_gradients(device):
 
 
 def _rollout_vs_train(precision, device, platform, n_new, **model):
-    from helpers import tiny_pair
+    from nvidia_helpers import tiny_pair
 
     from miles_core.rollout.base import SamplingParams
     from miles_core.train.batch import make_train_batch

@@ -4,7 +4,7 @@ import pytest
 
 from miles_core.kernels.base import Kernels
 from miles_core.kernels.logprobs import logprobs_torch
-from helpers import plugins
+from nvidia_helpers import plugins
 
 
 def test_registrations_and_selection():
