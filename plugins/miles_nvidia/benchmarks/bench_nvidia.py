@@ -6,7 +6,7 @@
 3. loss after 200 SFT steps at quickstart size, fp8 vs bf16 recipe;
 4. batch-invariant mode: engine vs trainer logprobs bitwise on a Qwen3-shaped model, and its cost.
 
-Usage: python plugins/miles_nvidia/benchmarks/bench_nvidia.py [--only logprobs,fp8,loss,bi] [--quick]
+Usage: python plugins/miles_nvidia/benchmarks/bench_nvidia.py [--only logprobs,fp8,loss,bi] [--quick] [--smoke]
 """
 
 from __future__ import annotations
@@ -23,20 +23,32 @@ import torch
 import torch.nn.functional as F
 
 RESULTS: dict = {"device": None, "torch": torch.__version__}
+SMOKE = {"on": False}  # --smoke: tiny sizes on CPU (Triton interpreter) to check the script itself
+DEV = "cuda"
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def timeit(fn, warmup=2, iters=5) -> float:
+    if SMOKE["on"]:
+        warmup, iters = 0, 1
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - t0) / iters * 1e3
 
 
 def peak_mb(fn) -> float:
+    if not torch.cuda.is_available():
+        fn()
+        return float("nan")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -63,13 +75,15 @@ def bench_logprobs(quick: bool, hiddens=(1024,)):
     from miles_nvidia.kernels.logprobs import logprobs_triton
 
     m, v = (4096 if quick else 16384), 151936
+    if SMOKE["on"]:
+        m, v, hiddens = 32, 300, (32,)
     out = []
     for hdim in hiddens:
-        h = torch.randn(m, hdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        w = (torch.randn(v, hdim, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
-        t = torch.randint(0, v, (m,), device="cuda")
+        h = torch.randn(m, hdim, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(v, hdim, device=DEV, dtype=torch.bfloat16) * 0.02).requires_grad_()
+        t = torch.randint(0, v, (m,), device=DEV)
         compiled = torch.compile(naive_logprobs)
-        impls = {"torch eager (full logits)": naive_logprobs, "torch.compile (full logits)": compiled,
+        impls = {"torch eager (full logits)": naive_logprobs, "torch.compile (full logits)": naive_logprobs if SMOKE["on"] else compiled,
                  "core chunked reference": logprobs_torch, "miles_nvidia triton": logprobs_triton}
         ref = None
         for name, fn in impls.items():
@@ -96,7 +110,8 @@ def bench_logprobs(quick: bool, hiddens=(1024,)):
                 torch.cuda.empty_cache()
             out.append(row)
         del h, w
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     RESULTS["logprobs"] = out
     table("fused logprob + entropy (bf16, vocab 151936)", ["impl", "H", "tokens", "fwd ms", "fwd peak MiB", "fwd+bwd ms", "fwd+bwd peak MiB", "max|err|"],
           [[r["impl"], r["hidden"], r["tokens"], f"{r.get('fwd_ms', float('nan')):.2f}", f"{r.get('fwd_peak_mb', float('nan')):.0f}",
@@ -117,11 +132,14 @@ def bench_fp8(quick: bool):
     from miles_nvidia.fp8.quant import quantize_act, quantize_weight
 
     m = 4096 if quick else 16384
+    shapes = SHAPES
+    if SMOKE["on"]:
+        m, shapes = 16, {"smoke": (256, 128)}
     out = []
-    lin = torch.compile(lambda x, w: x @ w.t())
-    for name, (n, k) in SHAPES.items():
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    lin = (lambda x, w: x @ w.t()) if SMOKE["on"] else torch.compile(lambda x, w: x @ w.t())
+    for name, (n, k) in shapes.items():
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
         qx, sx = quantize_act(x)
         qw, sw = quantize_weight(w)
         row = {"shape": name, "M": m, "N": n, "K": k}
@@ -168,9 +186,9 @@ def train_loss(recipe_name: str, steps: int) -> list[float]:
     torch.manual_seed(0)
     rng = random.Random(0)
     model = Decoder(DecoderConfig(vocab_size=tok.vocab_size, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384))
-    model = recipe.prepare_model(model).cuda()
+    dev = torch.device(DEV)
+    model = recipe.prepare_model(model).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99))
-    dev = torch.device("cuda")
     losses = []
     for _ in range(steps):
         pairs = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(64)]
@@ -192,7 +210,7 @@ def train_loss(recipe_name: str, steps: int) -> list[float]:
 
 
 def bench_loss(quick: bool):
-    steps = 50 if quick else 200
+    steps = 10 if SMOKE["on"] else 50 if quick else 200
     res = {}
     for name in ("bf16", "fp8"):
         t0 = time.perf_counter()
@@ -217,23 +235,27 @@ def bench_bi(quick: bool):
 
     shape = dict(hidden_size=1024, num_layers=4 if quick else 28, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072)
     texts = [f"{a}+{b}=" for a in range(10, 42) for b in (3, 17)]  # 64 prompts
+    new_tokens = 64
+    if SMOKE["on"]:
+        shape = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
+        texts, new_tokens = texts[:2], 3
     out = []
     for recipe in ("bf16_batch_invariant", "bf16", "fp32"):
-        trainer, engine, tok = tiny_pair(recipe, "cuda", "cuda", **shape)
+        trainer, engine, tok = tiny_pair(recipe, DEV, DEV, **shape)
         prompts = [Prompt(t, prompt_ids=tok.encode(t)) for t in texts]
-        params = SamplingParams(max_new_tokens=64, temperature=1.0, seed=1)
+        params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=1)
         engine.generate(prompts[:4], SamplingParams(max_new_tokens=4, temperature=1.0))  # warm-up / compile
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         samples = engine.generate(prompts, params, n=1)
-        torch.cuda.synchronize()
+        sync()
         t_gen = time.perf_counter() - t0
         batch = make_train_batch(samples, tok.pad_token_id)
         trainer.compute_logprobs(batch)
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         lp = trainer.compute_logprobs(batch)
-        torch.cuda.synchronize()
+        sync()
         t_lp = time.perf_counter() - t0
         mask = batch.response_mask
         diff = (lp - batch.rollout_logprobs) * mask
@@ -242,9 +264,10 @@ def bench_bi(quick: bool):
                     "trainer_logprobs_s": t_lp, "bitwise_equal": bool(torch.equal(lp * mask, batch.rollout_logprobs * mask)),
                     "max_abs_diff": float(diff.abs().max()), "kl_k1": float(diff.sum() / n_tok)})
         del trainer, engine
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     RESULTS["batch_invariant"] = out
-    table(f"rollout vs trainer logprobs, Qwen3-0.6B-shaped, {shape['num_layers']} layers, 64 prompts x 64 new tokens",
+    table(f"rollout vs trainer logprobs, Qwen3-0.6B-shaped, {shape['num_layers']} layers, {len(texts)} prompts x {new_tokens} new tokens (temperature 1)",
           ["recipe", "bitwise equal", "max |diff|", "KL (k1)", "engine tok/s", "engine s", "trainer logprobs s"],
           [[r["recipe"], r["bitwise_equal"], f"{r['max_abs_diff']:.3e}", f"{r['kl_k1']:.3e}", f"{r['gen_tok_s']:.0f}", f"{r['generate_s']:.2f}",
             f"{r['trainer_logprobs_s']:.3f}"] for r in out])
@@ -254,8 +277,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="logprobs,fp8,loss,bi")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under the Triton interpreter (checks the script)")
     args = ap.parse_args()
-    RESULTS["device"] = torch.cuda.get_device_name()
+    global DEV
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+        SMOKE["on"], DEV = True, "cpu"
+    RESULTS["device"] = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)"
     RESULTS["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     for name, fn in (("logprobs", bench_logprobs), ("fp8", bench_fp8), ("loss", bench_loss), ("bi", bench_bi)):
         if name in args.only.split(","):
