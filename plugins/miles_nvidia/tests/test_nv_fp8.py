@@ -86,6 +86,7 @@ def test_fp8_recipe_trains_the_tiny_model():
 
     torch.manual_seed(0)
     model = Fp8Recipe().prepare_model(Decoder(DecoderConfig(vocab_size=32, hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256)))
+    assert model.lm_head.weight.dtype == torch.bfloat16 and model.inv_freq.dtype == torch.float32
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ids = torch.randint(0, 32, (4, 12))
     losses = []

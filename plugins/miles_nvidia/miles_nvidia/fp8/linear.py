@@ -88,7 +88,8 @@ class Fp8Recipe(PrecisionRecipe):
     compute_dtype: torch.dtype | None = torch.bfloat16
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.param_dtype)
+        for p in model.parameters():  # parameters only: buffers such as RoPE's inv_freq stay fp32
+            p.data = p.data.to(self.param_dtype)
         convert_to_fp8(model)
         return model
 
