@@ -4,7 +4,8 @@
   (fused linear + logprob + entropy), ``rmsnorm``, ``swiglu``, ``rope``;
 * precision recipes: ``fp8`` (blockwise FP8 linears) and ``bf16_batch_invariant``;
 * weight transports: ``nccl`` (bucketed broadcast over a torch.distributed group) and
-  ``cuda_ipc`` (same-GPU handles for a colocated engine process).
+  ``cuda_ipc`` (same-GPU handles for a colocated engine process), ``cuda_ipc_fp8`` (the same,
+  shipping block-scaled FP8 weights).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def miles_register_precision_recipes(registry: Registry) -> None:
 
 @hookimpl
 def miles_register_weight_transports(registry: Registry) -> None:
-    from miles_nvidia.sync.transports import make_cuda_ipc, make_nccl
+    from miles_nvidia.sync.transports import make_cuda_ipc, make_cuda_ipc_fp8, make_nccl
 
     registry.add("nccl", make_nccl)
     registry.add("cuda_ipc", make_cuda_ipc)
+    registry.add("cuda_ipc_fp8", make_cuda_ipc_fp8)

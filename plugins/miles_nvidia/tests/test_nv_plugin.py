@@ -11,7 +11,7 @@ def test_registrations_and_selection():
     pm = plugins()
     regs = pm.registries
     assert {"fp8", "bf16_batch_invariant"} <= set(regs.precision_recipes.names())
-    assert {"nccl", "cuda_ipc"} <= set(regs.weight_transports.names())
+    assert {"nccl", "cuda_ipc", "cuda_ipc_fp8"} <= set(regs.weight_transports.names())
     cpu, cuda = Kernels(pm, "cpu").chosen(), Kernels(pm, "cuda").chosen()
     assert set(cpu) == set(cuda) == {"logprobs", "rmsnorm", "swiglu", "rope"}
     assert cpu["logprobs"].fn is logprobs_torch  # the core's reference serves the CPU

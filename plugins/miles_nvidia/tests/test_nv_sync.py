@@ -91,6 +91,11 @@ class _Engine:
         self.weight_version = version
 
 
+def _fp8_weights(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"l.q_proj.weight": torch.randn(256, 128, generator=g) * 0.02, "l.norm.weight": torch.randn(128, generator=g)}
+
+
 def _engine_proc(conn, q, device):
     engine = _Engine()
     serve_ipc_updates(conn, engine)
@@ -98,27 +103,38 @@ def _engine_proc(conn, q, device):
     q.put((engine.weight_version, {k: v.float().cpu().tolist() for k, v in engine.weights.items()}))
 
 
-def _ipc_round(device):
+def _ipc_round(device, fp8=False):
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     q = ctx.Queue()
     p = ctx.Process(target=_engine_proc, args=(child, q, device))
     p.start()
     proxy = IpcEngineProxy(parent)
-    transport = IpcTransport(bucket_bytes=4 * 800)
-    w = {k: v.to(device) for k, v in _weights().items()}
+    transport = IpcTransport(bucket_bytes=4 * 800, fp8=fp8)
+    make = _fp8_weights if fp8 else _weights
+    w = {k: v.to(device) for k, v in make().items()}
     transport.push(w, 1, proxy)
-    w2 = {k: v.to(device) for k, v in _weights(seed=5).items()}
+    w2 = {k: v.to(device) for k, v in make(seed=5).items()}
     transport.push(w2, 2, proxy)
     proxy.close()
     version, got = q.get(timeout=120)
     p.join(30)
     assert version == 2 and proxy.weight_version == 2
-    assert set(got) == set(w2) and all(torch.equal(torch.tensor(got[k]), w2[k].float().cpu()) for k in w2)
+    assert set(got) == set(w2)
+    for k in w2:
+        back, ref = torch.tensor(got[k]), w2[k].float().cpu()
+        if fp8 and k.endswith("proj.weight"):  # e4m3 blocks: a few percent, never exact
+            assert 0 < (back - ref).norm() / ref.norm() < 0.04
+        else:
+            assert torch.equal(back, ref)
 
 
 def test_ipc_transport_cpu_shared_memory():
     _ipc_round("cpu")
+
+
+def test_ipc_transport_fp8_weights():
+    _ipc_round("cpu", fp8=True)
 
 
 @pytest.mark.gpu

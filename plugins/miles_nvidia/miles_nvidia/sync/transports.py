@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from miles_core.errors import ConfigError
+from miles_nvidia.fp8.export import SUFFIX, dequantize_fp8, export_fp8
 from miles_nvidia.sync.buckets import DEFAULT_BUCKET_BYTES, BucketPlan, metas_of, pack, plan_buckets, unpack
 
 
@@ -96,6 +97,9 @@ def serve_ipc_updates(conn, engine) -> None:
         weights: dict[str, torch.Tensor] = {}
         for buf, plan in zip(buffers, plans):
             weights.update(unpack(buf, plan))
+        if any(name.endswith(SUFFIX) for name in weights):  # sent as FP8 blocks: back to the engine's dtype
+            dtype = next(iter(engine.model.parameters())).dtype if hasattr(engine, "model") else torch.bfloat16
+            weights = dequantize_fp8(weights, dtype)
         engine.update_weights(weights, version)
         if buffers and buffers[0].is_cuda:
             torch.cuda.synchronize(buffers[0].device)
@@ -104,13 +108,18 @@ def serve_ipc_updates(conn, engine) -> None:
 
 
 class IpcTransport:
-    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        self.bucket_bytes = bucket_bytes
+    """``fp8=True`` ships the projection weights as 128x128-block e4m3 + ``weight_scale_inv``
+    (:mod:`miles_nvidia.fp8.export`, about half the bytes of bf16); the engine side dequantises."""
+
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, fp8: bool = False) -> None:
+        self.bucket_bytes, self.fp8 = bucket_bytes, fp8
 
     def push(self, weights: Mapping[str, torch.Tensor], version: int, backend: Any) -> None:
         if not hasattr(backend, "update_weights_ipc"):
             raise ConfigError("sync.transport=cuda_ipc needs an engine in another process (IpcEngineProxy); "
                               "with the in-process engine use sync.transport=in_process")
+        if self.fp8:
+            weights = export_fp8(weights)
         plans = plan_buckets(metas_of(weights), self.bucket_bytes)
         device = next(iter(weights.values())).device
         buffers = [pack(weights, p, device) for p in plans]
@@ -121,3 +130,7 @@ class IpcTransport:
 
 def make_cuda_ipc(ctx) -> IpcTransport:
     return IpcTransport()
+
+
+def make_cuda_ipc_fp8(ctx) -> IpcTransport:
+    return IpcTransport(fp8=True)
