@@ -13,11 +13,20 @@ class PrecisionRecipe:
     name: str
     param_dtype: torch.dtype = torch.float32  # master weights
     compute_dtype: torch.dtype | None = None  # autocast dtype; None = no autocast
+    # True: the rollout engine reports its logprobs through the trainer's "logprobs" op, inside
+    # kernel_mode, so rollout and training logprobs can be bitwise equal (a plugin's batch-invariant mode)
+    batch_invariant: bool = False
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
         if self.compute_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=self.compute_dtype)
+
+    def kernel_mode(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """Entered around every forward of the trainer and the built-in engine (model and logprob op).
+
+        The core's recipes use none; a plugin's recipe may swap kernels here (e.g. a TorchFunctionMode)."""
+        return contextlib.nullcontext()
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.to(self.param_dtype)

@@ -7,21 +7,27 @@ through :meth:`update_weights` (the in-process weight transport).
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from miles_core.data.tokenizer import Tokenizer
 from miles_core.models.decoder import KVCache
+from miles_core.precision.base import PrecisionRecipe
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.sampling import sample_next
 from miles_core.types import Prompt, Sample
 
 
 class BuiltinEngine:
-    def __init__(self, model: nn.Module, tokenizer: Tokenizer, device: torch.device, max_batch_size: int = 512, seed: int = 0):
+    def __init__(
+        self, model: nn.Module, tokenizer: Tokenizer, device: torch.device, max_batch_size: int = 512, seed: int = 0,
+        precision: PrecisionRecipe | None = None, logprobs_op: Callable[..., Any] | None = None,
+    ):
         self.model = copy.deepcopy(model).to(device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -30,6 +36,10 @@ class BuiltinEngine:
         self.max_batch_size = max_batch_size
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.weight_version = 0
+        # with a batch-invariant recipe, forwards run inside its kernel mode and the reported
+        # logprobs come from the trainer's own "logprobs" op (bitwise equal to training's)
+        self.precision = precision
+        self.logprobs_op = logprobs_op if precision is not None and precision.batch_invariant else None
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -51,7 +61,8 @@ class BuiltinEngine:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         for start in range(0, len(rows), self.max_batch_size):
             chunk = rows[start : start + self.max_batch_size]
-            out.extend(self._generate_batch(chunk, params, generator, start))
+            with self.precision.kernel_mode(self.device) if self.precision else contextlib.nullcontext():
+                out.extend(self._generate_batch(chunk, params, generator, start))
         return out
 
     @torch.no_grad()
@@ -86,6 +97,9 @@ class BuiltinEngine:
         for t in range(params.max_new_tokens):
             logits = model.lm_head(hidden)
             token, logp = sample_next(logits, params.temperature, params.top_p, params.top_k, generator)
+            if self.logprobs_op is not None:
+                temp = params.temperature if params.temperature > 0 else 1.0
+                logp = self.logprobs_op(hidden, model.lm_head.weight, token, temperature=temp)[0]
             token = torch.where(done, torch.full_like(token, tok.pad_token_id), token)
             new_tokens[:, t] = token
             new_logps[:, t] = torch.where(done, torch.zeros_like(logp), logp)

@@ -104,7 +104,7 @@ class TorchTrainer:
     def _forward(self, module: PolicyForward, batch: TrainBatch, group: list[int] | None, temperature: float):
         """(logprobs, entropy) [n, T] of the samples ``group`` (zeros off the responses)."""
         mb = pack(batch, [0] if group is None else group).to(self.device)  # None: a stand-in sample
-        with self._autocast():
+        with self._autocast(), self.precision.kernel_mode(self.device):  # a plugin may swap kernels here
             lp, ent = module(mb, temperature)
         n, t_max = len(mb.sample_idx), batch.response_mask.shape[1]
         zeros = torch.zeros(n, t_max, device=self.device)

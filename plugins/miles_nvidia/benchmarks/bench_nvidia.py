@@ -1,0 +1,302 @@
+"""miles_nvidia benchmarks on one GPU: prints four tables and writes $OUT/bench_nvidia.json.
+
+1. fused logprob (vocab 151936, 16k tokens): time and peak memory vs torch eager (full logits),
+   the core's chunked reference and torch.compile;
+2. FP8 blockwise linear vs bf16 on Qwen3-0.6B / Qwen3-8B GEMM shapes (16k tokens);
+3. loss after 200 SFT steps at quickstart size, fp8 vs bf16 recipe;
+4. batch-invariant mode: engine vs trainer logprobs bitwise on a Qwen3-shaped model, and its cost.
+
+Usage: python plugins/miles_nvidia/benchmarks/bench_nvidia.py [--only logprobs,fp8,loss,bi] [--quick] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+RESULTS: dict = {"device": None, "torch": torch.__version__}
+SMOKE = {"on": False}  # --smoke: tiny sizes on CPU (Triton interpreter) to check the script itself
+DEV = "cuda"
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timeit(fn, warmup=2, iters=5) -> float:
+    if SMOKE["on"]:
+        warmup, iters = 0, 1
+    for _ in range(warmup):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def peak_mb(fn) -> float:
+    if not torch.cuda.is_available():
+        fn()
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def table(title, header, rows):
+    print(f"\n## {title}")
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    for r in [header, ["-" * w for w in widths], *rows]:
+        print(" | ".join(str(x).ljust(w) for x, w in zip(r, widths)))
+
+
+# ---------------------------------------------------------------------------------- 1. logprobs
+def naive_logprobs(h, w, t):
+    logp = F.log_softmax((h @ w.t()).float(), -1)
+    return logp.gather(-1, t[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def bench_logprobs(quick: bool, hiddens=(1024,)):
+    from miles_core.kernels.logprobs import logprobs_torch
+    from miles_nvidia.kernels.logprobs import logprobs_triton
+
+    m, v = (4096 if quick else 16384), 151936
+    if SMOKE["on"]:
+        m, v, hiddens = 32, 300, (32,)
+    out = []
+    for hdim in hiddens:
+        h = torch.randn(m, hdim, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(v, hdim, device=DEV, dtype=torch.bfloat16) * 0.02).requires_grad_()
+        t = torch.randint(0, v, (m,), device=DEV)
+        compiled = torch.compile(naive_logprobs)
+        impls = {"torch eager (full logits)": naive_logprobs, "torch.compile (full logits)": naive_logprobs if SMOKE["on"] else compiled,
+                 "core chunked reference": logprobs_torch, "miles_nvidia triton": logprobs_triton}
+        ref = None
+        for name, fn in impls.items():
+            row = {"impl": name, "hidden": hdim, "tokens": m, "vocab": v}
+            try:
+                fwd = lambda: fn(h.detach(), w.detach(), t)  # noqa: E731
+
+                def fwd_bwd():
+                    lp, ent = fn(h, w, t)
+                    (lp.sum() + ent.sum()).backward()
+                    h.grad = w.grad = None
+
+                with torch.no_grad():
+                    lp, _ = fwd()
+                if ref is None:
+                    ref = lp.float()
+                row["max_abs_err_vs_eager"] = float((lp.float() - ref).abs().max())
+                row["fwd_ms"] = timeit(lambda: torch.no_grad()(fwd)())
+                row["fwd_peak_mb"] = peak_mb(lambda: torch.no_grad()(fwd)())
+                row["fwd_bwd_ms"] = timeit(fwd_bwd, 1, 3)
+                row["fwd_bwd_peak_mb"] = peak_mb(fwd_bwd)
+            except Exception as exc:  # an OOM or a compile failure is a result too
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                torch.cuda.empty_cache()
+            out.append(row)
+        del h, w
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    RESULTS["logprobs"] = out
+    table("fused logprob + entropy (bf16, vocab 151936)", ["impl", "H", "tokens", "fwd ms", "fwd peak MiB", "fwd+bwd ms", "fwd+bwd peak MiB", "max|err|"],
+          [[r["impl"], r["hidden"], r["tokens"], f"{r.get('fwd_ms', float('nan')):.2f}", f"{r.get('fwd_peak_mb', float('nan')):.0f}",
+            f"{r.get('fwd_bwd_ms', float('nan')):.2f}", f"{r.get('fwd_bwd_peak_mb', float('nan')):.0f}",
+            r.get("error", f"{r.get('max_abs_err_vs_eager', float('nan')):.2e}")] for r in out])
+
+
+# ---------------------------------------------------------------------------------- 2. fp8
+SHAPES = {  # name: (N, K) of x[M, K] @ W[N, K].T
+    "0.6B qkv": (4096, 1024), "0.6B o": (1024, 2048), "0.6B gate_up": (6144, 1024), "0.6B down": (1024, 3072),
+    "8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (24576, 4096), "8B down": (4096, 12288),
+}
+
+
+def bench_fp8(quick: bool):
+    from miles_nvidia.fp8.gemm import fp8_gemm
+    from miles_nvidia.fp8.linear import fp8_linear
+    from miles_nvidia.fp8.quant import quantize_act, quantize_weight
+
+    m = 4096 if quick else 16384
+    shapes = SHAPES
+    if SMOKE["on"]:
+        m, shapes = 16, {"smoke": (256, 128)}
+    out = []
+    lin = (lambda x, w: x @ w.t()) if SMOKE["on"] else torch.compile(lambda x, w: x @ w.t())
+    for name, (n, k) in shapes.items():
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
+        qx, sx = quantize_act(x)
+        qw, sw = quantize_weight(w)
+        row = {"shape": name, "M": m, "N": n, "K": k}
+        row["bf16_eager_ms"] = timeit(lambda: x @ w.t())
+        try:
+            row["bf16_compile_ms"] = timeit(lambda: lin(x, w))
+        except Exception as exc:
+            row["bf16_compile_error"] = str(exc)[:200]
+        for backend in ("scaled_mm", "triton"):
+            try:
+                row[f"fp8_{backend}_gemm_ms"] = timeit(lambda: fp8_gemm(qx, sx, qw, sw, 128, torch.bfloat16, backend))
+                err = (fp8_gemm(qx, sx, qw, sw, 128, torch.bfloat16, backend).float() - (x @ w.t()).float()).norm() / (x @ w.t()).float().norm()
+                row[f"fp8_{backend}_rel_err"] = float(err)
+            except Exception as exc:
+                row[f"fp8_{backend}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        try:
+            row["fp8_linear_incl_quant_ms"] = timeit(lambda: fp8_linear(x, w))
+        except Exception as exc:
+            row["fp8_linear_error"] = str(exc)[:200]
+        best = min(row.get("fp8_scaled_mm_gemm_ms", float("inf")), row.get("fp8_triton_gemm_ms", float("inf")))
+        row["speedup_gemm"] = row["bf16_eager_ms"] / best
+        row["speedup_linear_incl_quant"] = row["bf16_eager_ms"] / row.get("fp8_linear_incl_quant_ms", float("inf"))
+        out.append(row)
+    RESULTS["fp8"] = out
+    f = lambda r, k: f"{r[k]:.3f}" if k in r else "err"  # noqa: E731
+    table(f"FP8 blockwise (1x128 act, 128x128 weight) vs bf16, M={m}", ["shape", "N", "K", "bf16 ms", "bf16 compile ms", "fp8 scaled_mm ms", "fp8 triton ms", "fp8 linear+quant ms", "GEMM speedup", "linear speedup"],
+          [[r["shape"], r["N"], r["K"], f(r, "bf16_eager_ms"), f(r, "bf16_compile_ms"), f(r, "fp8_scaled_mm_gemm_ms"), f(r, "fp8_triton_gemm_ms"),
+            f(r, "fp8_linear_incl_quant_ms"), f"{r['speedup_gemm']:.2f}x", f"{r['speedup_linear_incl_quant']:.2f}x"] for r in out])
+
+
+# ---------------------------------------------------------------------------------- 3. loss
+def train_loss(recipe_name: str, steps: int) -> list[float]:
+    import random
+
+    from miles_core.data.tokenizer import CharTokenizer
+    from miles_core.kernels.logprobs import logprobs_torch
+    from miles_core.models.decoder import Decoder, DecoderConfig
+    from miles_core.plugins.manager import MilesPlugins
+    import miles_nvidia.plugin
+
+    pm = MilesPlugins(autoload=False, extra_plugins=[("miles_nvidia", miles_nvidia.plugin)])
+    recipe = pm.registries.precision_recipes.get(recipe_name)
+    tok = CharTokenizer()
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    model = Decoder(DecoderConfig(vocab_size=tok.vocab_size, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384))
+    dev = torch.device(DEV)
+    model = recipe.prepare_model(model).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99))
+    losses = []
+    for _ in range(steps):
+        pairs = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(64)]
+        seqs = [tok.encode(f"{a}+{b}={a + b}") + [tok.eos_token_id] for a, b in pairs]
+        ln = max(map(len, seqs))
+        ids = torch.tensor([s + [tok.pad_token_id] * (ln - len(s)) for s in seqs], device=dev)
+        mask = (ids[:, 1:] != tok.pad_token_id).float()
+        with recipe.autocast(dev):
+            h = model(ids)[:, :-1]
+        w = model.lm_head.weight
+        lp, _ = logprobs_torch(h.reshape(-1, h.shape[-1]).to(w.dtype), w, ids[:, 1:].reshape(-1))
+        loss = -(lp.view_as(mask) * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def bench_loss(quick: bool):
+    steps = 10 if SMOKE["on"] else 50 if quick else 200
+    res = {}
+    for name in ("bf16", "fp8"):
+        t0 = time.perf_counter()
+        losses = train_loss(name, steps)
+        res[name] = {"final_loss_mean_last10": sum(losses[-10:]) / 10, "first_loss": losses[0], "seconds": time.perf_counter() - t0}
+    res["rel_diff"] = abs(res["fp8"]["final_loss_mean_last10"] - res["bf16"]["final_loss_mean_last10"]) / res["bf16"]["final_loss_mean_last10"]
+    res["steps"] = steps
+    RESULTS["loss"] = res
+    table(f"quickstart-size SFT loss after {steps} steps (addition, batch 64)", ["recipe", "first loss", "loss (mean of last 10)", "s"],
+          [[k, f"{res[k]['first_loss']:.4f}", f"{res[k]['final_loss_mean_last10']:.4f}", f"{res[k]['seconds']:.1f}"] for k in ("bf16", "fp8")]
+          + [["fp8 vs bf16", "", f"{100 * res['rel_diff']:.2f}% (target < 1%)", ""]])
+
+
+# ---------------------------------------------------------------------------------- 4. batch-invariant
+def bench_bi(quick: bool):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from nvidia_helpers import tiny_pair
+
+    from miles_core.rollout.base import SamplingParams
+    from miles_core.train.batch import make_train_batch
+    from miles_core.types import Prompt
+
+    shape = dict(hidden_size=1024, num_layers=4 if quick else 28, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072)
+    texts = [f"{a}+{b}=" for a in range(10, 42) for b in (3, 17)]  # 64 prompts
+    new_tokens = 64
+    if SMOKE["on"]:
+        shape = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
+        texts, new_tokens = texts[:2], 3
+    out = []
+    for recipe in ("bf16_batch_invariant", "bf16", "fp32"):
+        trainer, engine, tok = tiny_pair(recipe, DEV, DEV, **shape)
+        prompts = [Prompt(t, prompt_ids=tok.encode(t)) for t in texts]
+        params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=1)
+        engine.generate(prompts[:4], SamplingParams(max_new_tokens=4, temperature=1.0))  # warm-up / compile
+        sync()
+        t0 = time.perf_counter()
+        samples = engine.generate(prompts, params, n=1)
+        sync()
+        t_gen = time.perf_counter() - t0
+        batch = make_train_batch(samples, tok.pad_token_id)
+        trainer.compute_logprobs(batch)
+        sync()
+        t0 = time.perf_counter()
+        lp = trainer.compute_logprobs(batch)
+        sync()
+        t_lp = time.perf_counter() - t0
+        mask = batch.response_mask
+        diff = (lp - batch.rollout_logprobs) * mask
+        n_tok = float(mask.sum())
+        out.append({"recipe": recipe, "layers": shape["num_layers"], "tokens": n_tok, "generate_s": t_gen, "gen_tok_s": n_tok / t_gen,
+                    "trainer_logprobs_s": t_lp, "bitwise_equal": bool(torch.equal(lp * mask, batch.rollout_logprobs * mask)),
+                    "max_abs_diff": float(diff.abs().max()), "kl_k1": float(diff.sum() / n_tok)})
+        del trainer, engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    RESULTS["batch_invariant"] = out
+    table(f"rollout vs trainer logprobs, Qwen3-0.6B-shaped, {shape['num_layers']} layers, {len(texts)} prompts x {new_tokens} new tokens (temperature 1)",
+          ["recipe", "bitwise equal", "max |diff|", "KL (k1)", "engine tok/s", "engine s", "trainer logprobs s"],
+          [[r["recipe"], r["bitwise_equal"], f"{r['max_abs_diff']:.3e}", f"{r['kl_k1']:.3e}", f"{r['gen_tok_s']:.0f}", f"{r['generate_s']:.2f}",
+            f"{r['trainer_logprobs_s']:.3f}"] for r in out])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="logprobs,fp8,loss,bi")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under the Triton interpreter (checks the script)")
+    args = ap.parse_args()
+    global DEV
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+        SMOKE["on"], DEV = True, "cpu"
+    RESULTS["device"] = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)"
+    RESULTS["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    for name, fn in (("logprobs", bench_logprobs), ("fp8", bench_fp8), ("loss", bench_loss), ("bi", bench_bi)):
+        if name in args.only.split(","):
+            t0 = time.perf_counter()
+            try:
+                fn(args.quick)
+            except Exception:
+                traceback.print_exc()
+                RESULTS[f"{name}_error"] = traceback.format_exc()[-2000:]
+            print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_nvidia.json").write_text(json.dumps(RESULTS, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Blockwise-scaled FP8 GEMM: ``out = (a_q * a_s) @ (b_q * b_s).T`` in bf16/fp32.
+
+``a_q`` [M, K] e4m3 with 1x128 scales ``a_s`` [M, K/128]; ``b_q`` [N, K] e4m3 with either 128x128
+scales [N/128, K/128] (``b_rows=128``, a weight) or 1x128 scales [N, K/128] (``b_rows=1``, the
+weight-gradient GEMM). Three implementations, best first:
+
+* ``torch._scaled_mm`` with blockwise scales (cuBLAS >= 12.9 on sm90, torch >= 2.9): scales
+  must be "outer-dim-major" and the 128x128 scale's K/128 dim padded to a multiple of 4;
+* a Triton kernel: one K tile of 128 per step, each partial product multiplied by its two scales
+  before it is added (the same arithmetic as DeepSeek-V3's fine-grained scaling);
+* a torch emulation (dequantise, then matmul in fp32), the reference for tests and CPU runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from miles_nvidia.fp8.quant import BLOCK, dequantize_blockwise
+from miles_nvidia.runtime import interpreting
+
+
+def fp8_gemm_emulated(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16) -> torch.Tensor:
+    a = dequantize_blockwise(a_q, a_s, 1)
+    b = dequantize_blockwise(b_q, b_s, b_rows)
+    return (a @ b.t()).to(out_dtype)
+
+
+def fp8_gemm_scaled_mm(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16) -> torch.Tensor:
+    m, k = a_q.shape
+    sa = a_s.t().contiguous().t()  # [M, K/128], M-major
+    if b_rows == 1:
+        sb = b_s.t().contiguous().t()  # [N, K/128], N-major
+    else:
+        kb = b_s.shape[1]
+        pad = (-kb) % 4
+        sb = torch.nn.functional.pad(b_s, (0, pad)).contiguous().t()  # [L4, N/128], stride (1, L4)
+    return torch._scaled_mm(a_q, b_q.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, s_am, s_bn, s_sam, s_sbn, s_cm,
+                     B_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        rk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + rm[:, None] * s_am + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + rn[None, :] * s_bn + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
+        if UPCAST:
+            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(a, b)
+        sa = tl.load(sa_ptr + rm * s_sam + kb, mask=rm < M, other=0.0)
+        sb = tl.load(sb_ptr + (rn // B_ROWS) * s_sbn + kb, mask=rn < N, other=0.0)
+        acc += part * sa[:, None] * sb[None, :]
+    tl.store(c_ptr + rm[:, None] * s_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def fp8_gemm_triton(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16) -> torch.Tensor:
+    m, k = a_q.shape
+    n = b_q.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=a_q.device)
+    bm, bn = (16, 32) if interpreting() else (64, 128)
+    a_s, b_s = a_s.contiguous(), b_s.contiguous()
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _fp8_gemm_kernel[grid](a_q, b_q, a_s, b_s, out, m, n, k, a_q.stride(0), b_q.stride(0), a_s.stride(0), b_s.stride(0),
+                           out.stride(0), B_ROWS=b_rows, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, UPCAST=interpreting(),
+                           **({} if interpreting() else dict(num_warps=4, num_stages=3)))
+    return out
+
+
+def scaled_mm_supported(device: torch.device) -> bool:
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0) and torch.cuda.get_device_capability(device) < (10, 0)
+
+
+def fp8_gemm(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16, backend: str = "auto") -> torch.Tensor:
+    """Dispatch: ``backend`` is auto | scaled_mm | triton | emulated."""
+    if backend == "auto":
+        if a_q.is_cuda and scaled_mm_supported(a_q.device) and a_q.shape[1] % BLOCK == 0 and b_q.shape[0] % BLOCK == 0:
+            try:
+                return fp8_gemm(a_q, a_s, b_q, b_s, b_rows, out_dtype, "scaled_mm")
+            except RuntimeError:  # a torch/cuBLAS without blockwise scaling (< 2.9 or CUDA < 12.9)
+                backend = "triton"
+        else:
+            backend = "triton" if a_q.is_cuda else "emulated"
+    if backend == "scaled_mm":
+        m = a_q.shape[0]
+        pad = (-m) % 16  # cuBLASLt wants M aligned
+        if pad:
+            a_q = torch.nn.functional.pad(a_q.view(torch.uint8), (0, 0, 0, pad)).view(a_q.dtype)
+            a_s = torch.nn.functional.pad(a_s, (0, 0, 0, pad), value=1.0)
+        return fp8_gemm_scaled_mm(a_q, a_s, b_q, b_s, b_rows, out_dtype)[:m]
+    if backend == "triton":
+        return fp8_gemm_triton(a_q, a_s, b_q, b_s, b_rows, out_dtype)
+    return fp8_gemm_emulated(a_q, a_s, b_q, b_s, b_rows, out_dtype)

@@ -1,0 +1,1 @@
+"""Weight transports between the trainer and rollout engines on NVIDIA GPUs."""
