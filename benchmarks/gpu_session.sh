@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The H200 runs behind the figures in docs/, batched into few device calls.
+#   bash benchmarks/gpu_session.sh nvidia     # miles_nvidia GPU tests + kernel/FP8/batch-invariant benchmarks
+#   bash benchmarks/gpu_session.sh train      # torch + Megatron trainer benchmarks, chunked-logprob memory
+#   bash benchmarks/gpu_session.sh rollout    # built-in engine vs transformers generate
+# Logs and JSON go to $OUT (the device tool brings them back).
+set -u -o pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+mkdir -p .pyshim && ln -sfn "$PWD/cli" .pyshim/miles_cli
+export PYTHONPATH=$PWD:$PWD/.pyshim:$PWD/plugins/miles_nvidia
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+for part in "$@"; do
+  case $part in
+    nvidia)
+      python3 -m pytest -q plugins/miles_nvidia/tests -m gpu 2>&1 | tee "$OUT/nvidia_tests.log" | tail -15
+      python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py 2>&1 | tee "$OUT/nvidia_bench.log" ;;
+    train)
+      if [ -d .whl ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+      fi
+      python3 -m pytest -q tests/test_trainer_gpu.py tests/megatron -m gpu 2>&1 | tee "$OUT/train_tests.log" | tail -15
+      python3 benchmarks/logprob_memory.py --device cuda 2>&1 | tee "$OUT/logprob_memory.log" | tail -12
+      python3 benchmarks/train_bench.py --preset qwen3-0.6b --device cuda --steps 5 --warmup 2 --no-memory-table 2>&1 | tee "$OUT/train_bench_torch.log" | tail -12
+      python3 benchmarks/train_bench.py --preset qwen3-0.6b --device cuda --steps 5 --warmup 2 --no-memory-table --backend megatron 2>&1 | tee "$OUT/train_bench_megatron.log" | tail -12 ;;
+    rollout)
+      python3 benchmarks/rollout_bench.py --device cuda 2>&1 | tee "$OUT/rollout_bench.log" | tail -25 ;;
+  esac
+done
