@@ -45,7 +45,7 @@ class BuiltinEngine:
             model = model.to(dtype)
         cfg = config or EngineConfig(max_num_seqs=min(max_batch_size, 256))
         if device.type == "cpu" and config is None:
-            cfg.decode_steps = 4
+            cfg.decode_steps = 8
         self.tokenizer = tokenizer
         self.device = device
         eos = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []

@@ -18,6 +18,7 @@ kernel in ``triton_decode.py`` instead.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -67,16 +68,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def decode_attention_torch(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int, max_ctx: int) -> torch.Tensor:
-    """Decode (one new token per row): ``q`` [B, H, D] -> [B, H, D]; static shapes (graph-safe)."""
-    b = q.shape[0]
-    slots = gather_slots(block_tables, max_ctx, block_size)
-    k = k_cache[slots].transpose(1, 2)
-    v = v_cache[slots].transpose(1, 2)
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
+    """Decode (one new token per row): ``q`` [B, H, D] -> [B, H, D]; static shapes (graph-safe).
+
+    ``softmax(q K^T / sqrt(D)) V`` per row over its first ``ctx_lens[b]`` cache positions, with the
+    ``R = H / Hk`` query heads of a group sharing one gathered K/V (no ``repeat_interleave``).
+    """
+    b, h, d = q.shape
+    hk = k_cache.shape[1]
+    slots = gather_slots(block_tables, max_ctx, block_size).flatten()
+    # [B*T, Hk, D] -> [B, Hk, T, D] contiguous: one copy each, then batched matmuls
+    k = k_cache.index_select(0, slots).view(b, max_ctx, hk, d).transpose(1, 2).contiguous()
+    v = v_cache.index_select(0, slots).view(b, max_ctx, hk, d).transpose(1, 2).contiguous()
+    qg = q.view(b, hk, h // hk, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(d))  # [B, Hk, R, T]
     kpos = torch.arange(max_ctx, device=q.device)
     mask = (kpos[None, :] < ctx_lens[:, None]) | (kpos[None, :] == 0)  # rows with ctx 0 (padding) see slot 0
-    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None])
-    return out[:, :, 0]
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, -1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(b, h, d)

@@ -304,8 +304,9 @@ class EngineCore:
         out_tok = torch.empty(b, k, dtype=torch.long, device=dev)
         out_lp = torch.empty(b, k, dtype=torch.float32, device=dev)
         tops, routes = [], []
+        run.begin_window(b, k)
         for j in range(k):
-            logits, routed = run.decode(b, max_ctx)
+            logits, routed = run.decode(b, max_ctx, j)
             tok, lp, top = sample(logits, st, counters + j)
             out_tok[:, j] = tok
             out_lp[:, j] = lp
@@ -316,6 +317,7 @@ class EngineCore:
             run.tokens[:b] = tok
             run.positions[:b] += 1
             run.ctx_lens[:b] += 1
+        run.end_window()
         toks, lps = out_tok.tolist(), out_lp.tolist()
         top_rows = None
         if tops:

@@ -22,7 +22,10 @@ from torch import nn
 
 from miles_core.models.decoder import rotary
 from miles_core.rollout.engine_core import triton_decode
-from miles_core.rollout.engine_core.attention import AttnBatch, decode_attention_torch, paged_attention
+import math
+from dataclasses import dataclass
+
+from miles_core.rollout.engine_core.attention import AttnBatch, decode_attention_torch, gather_slots, paged_attention
 from miles_core.rollout.engine_core.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ class ModelRunner:
         self.ctx_lens = torch.zeros(g, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(g, self.max_blocks, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._window: DecodeWindow | None = None
         self.graph_pool = None
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 1
 
@@ -116,6 +120,8 @@ class ModelRunner:
             kc, vc = self.kv[i, 0], self.kv[i, 1]
             kc.index_copy_(0, slots, k.to(kc.dtype))
             vc.index_copy_(0, slots, v.to(vc.dtype))
+            if self._window is not None and not self.use_graphs:
+                self._window.push(i, k, v)
             x = x + a.o_proj(attend(q, kc, vc).reshape(n, -1))
             h = layer.post_attention_layernorm(x)
             mlp = layer.mlp
@@ -147,23 +153,46 @@ class ModelRunner:
         if self.use_triton:
             splits = triton_decode.num_splits(bs, self.kv_heads, self.num_sms)
             attend = lambda q, kc, vc: triton_decode.paged_decode(q, kc, vc, bt, ctx, p, splits)  # noqa: E731
+        elif self._window is not None:
+            attend = self._window.attend
         else:
             attend = lambda q, kc, vc: decode_attention_torch(q, kc, vc, bt, ctx, p, max_ctx)  # noqa: E731
         x = self.model.model.embed_tokens(tokens)
         hidden, routed = self._layers(x, positions, slots, attend)
         return self.model.lm_head(hidden), routed
 
+    def begin_window(self, bs: int, steps: int) -> None:
+        """Eager decode only: gather every row's cached K/V once for a window of ``steps`` steps."""
+        if self.use_graphs or self.use_triton:
+            return
+        pos0 = self.positions[:bs].clone()  # cache positions < pos0 exist before the window
+        t0 = max(self.block_size, -(-int(pos0.max()) // self.block_size) * self.block_size)
+        slots = gather_slots(self.block_tables[:bs], t0, self.block_size).flatten()
+        g = lambda c: c.index_select(0, slots).view(bs, t0, self.kv_heads, self.head_dim).transpose(1, 2).contiguous()  # noqa: E731
+        self._window = DecodeWindow(
+            pos0=pos0,
+            keys=[g(self.kv[i, 0]) for i in range(self.num_layers)],
+            values=[g(self.kv[i, 1]) for i in range(self.num_layers)],
+            new_k=torch.zeros(self.num_layers, bs, self.kv_heads, steps, self.head_dim, dtype=self.dtype, device=self.device),
+            new_v=torch.zeros(self.num_layers, bs, self.kv_heads, steps, self.head_dim, dtype=self.dtype, device=self.device),
+        )
+
+    def end_window(self) -> None:
+        self._window = None
+
     def _bucket(self, bs: int) -> int:
         return next(b for b in self.graph_sizes if b >= bs)
 
     @torch.no_grad()
-    def decode(self, bs: int, max_ctx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def decode(self, bs: int, max_ctx: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode step over the first ``bs`` rows of the static buffers -> (logits [bs, V], routing).
 
         ``max_ctx`` (a multiple of the block size) bounds the context for the torch path; with
         graphs the bucket's captured graph is replayed (rows past ``bs`` are padding: ctx 0, page 0).
         """
         if not self.use_graphs:
+            if self._window is not None:
+                self._window.step = step
             return self._decode_body(bs, max_ctx)
         b = self._bucket(bs)
         if b not in self.graphs:
@@ -186,3 +215,44 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=self.graph_pool):
             logits, _ = self._decode_body(bs, full)
         self.graphs[bs] = (graph, logits)
+
+
+@dataclass
+class DecodeWindow:
+    """The eager decode path's K/V for one window (CPU): the context gathered once at its start,
+    plus the tokens decoded since. Attention at step ``j`` is one softmax over both parts::
+
+        out = softmax([q K_old^T, q K_new[:j+1]^T] / sqrt(D)) [V_old; V_new[:j+1]]
+
+    which equals attention over the paged cache without re-gathering it every step.
+    """
+
+    pos0: torch.Tensor  # [B] cache positions < pos0 are in keys/values
+    keys: list[torch.Tensor]  # per layer [B, Hk, T0, D]
+    values: list[torch.Tensor]
+    new_k: torch.Tensor  # [L, B, Hk, steps, D]
+    new_v: torch.Tensor
+    step: int = 0
+    layer: int = 0
+
+    def push(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.layer = layer
+        self.new_k[layer, :, :, self.step] = k
+        self.new_v[layer, :, :, self.step] = v
+
+    def attend(self, q: torch.Tensor, _kc, _vc) -> torch.Tensor:
+        b, h, d = q.shape
+        i, j = self.layer, self.step
+        kold, vold = self.keys[i], self.values[i]
+        hk = kold.shape[1]
+        qg = q.view(b, hk, h // hk, d)
+        scale = 1.0 / math.sqrt(d)
+        s_old = torch.matmul(qg, kold.transpose(-1, -2)).float() * scale  # [B, Hk, R, T0]
+        valid = torch.arange(kold.shape[2], device=q.device)[None, :] < self.pos0[:, None]
+        s_old = s_old.masked_fill(~valid[:, None, None, :], float("-inf"))
+        knew, vnew = self.new_k[i, :, :, : j + 1], self.new_v[i, :, :, : j + 1]
+        s_new = torch.matmul(qg, knew.transpose(-1, -2)).float() * scale  # [B, Hk, R, j+1]
+        probs = torch.softmax(torch.cat([s_old, s_new], -1), -1).to(q.dtype)
+        t0 = kold.shape[2]
+        out = torch.matmul(probs[..., :t0], vold) + torch.matmul(probs[..., t0:], vnew)
+        return out.reshape(b, h, d)
