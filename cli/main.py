@@ -1,4 +1,4 @@
-"""`miles run | plugins | validate`.
+"""`miles run | plugins | validate | serve`.
 
 Every user error (config, data, reward code, plugins) is printed as one line and exits with 2.
 """
@@ -119,6 +119,35 @@ def plugins(as_json, plugin_opts):
     console.print(plugins_table(infos))
     for info in infos:
         console.print(f"[bold]{info.name}[/] hooks: {', '.join(info.hooks)}")
+
+
+@main.command()
+@click.argument("model")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
+@click.option("--port", default=30000, show_default=True, type=int)
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N")
+@click.option("--dtype", default="auto", show_default=True, help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32")
+@click.option("--max-num-seqs", default=256, show_default=True, type=int, help="Sequences decoded at once.")
+@click.option("--max-model-len", default=8192, show_default=True, type=int)
+@click.option("--max-request-bytes", default=64 << 20, show_default=True, type=int, help="Larger request bodies get 413.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@_plugin_opt
+@user_errors
+def serve(model, host, port, device, dtype, max_num_seqs, max_model_len, max_request_bytes, seed, plugin_opts):
+    """Serve MODEL (an HF safetensors folder or a .gguf file) over SGLang's HTTP protocol."""
+    from miles_core.plugins.manager import MilesPlugins
+    from miles_core.rollout.engine_core.config import EngineConfig
+    from miles_core.serve.app import build_server
+
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    srv = build_server(model, host, port, device, dtype, cfg, seed, max_request_bytes, MilesPlugins(blocked=_blocked(plugin_opts)))
+    click.echo(f"miles serve: {model} on http://{host}:{srv.port}", err=True)
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.shutdown()
 
 
 if __name__ == "__main__":  # pragma: no cover

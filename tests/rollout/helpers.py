@@ -1,0 +1,46 @@
+"""Tiny random HF models of each family, saved to a folder and loaded back by Miles."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 96
+
+
+def hf_config(family: str):
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if family == "llama":
+        return LlamaConfig(intermediate_size=64, tie_word_embeddings=True, rope_theta=10000.0, **common)
+    if family == "qwen3":
+        return Qwen3Config(intermediate_size=64, tie_word_embeddings=False, rope_theta=1000000.0, **common)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                              norm_topk_prob=True, tie_word_embeddings=False, **common)
+    raise ValueError(family)
+
+
+def make_hf_model(family: str, path: Path, seed: int = 0):
+    """A random fp32 HF model of ``family`` saved under ``path``; returns the HF module (eval)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(family)).eval()
+    with torch.no_grad():  # larger weights than the default init, so greedy paths are not all one token
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path)
+    return model
+
+
+def load_miles(path: Path):
+    from miles_core.models.checkpoint import load_hf_folder
+    from miles_core.plugins.manager import MilesPlugins
+
+    model, _family = load_hf_folder(path, MilesPlugins().registries.model_families)
+    return model.eval()

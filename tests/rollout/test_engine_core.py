@@ -1,0 +1,187 @@
+"""Scheduling behaviour of the engine core: continuous batching, prefix sharing, chunked prefill,
+preemption, abort, weights and memory. A tiny random Llama-style decoder, fp32 on CPU."""
+
+import pytest
+import torch
+
+from miles_core.models.decoder import Decoder, DecoderConfig
+from miles_core.rollout.base import SamplingParams
+from miles_core.rollout.engine_core.config import EngineConfig
+from miles_core.rollout.engine_core.core import EngineCore
+
+
+def tiny(seed=0, vocab=80):
+    torch.manual_seed(seed)
+    m = Decoder(DecoderConfig(vocab_size=vocab, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64))
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    return m.eval()
+
+
+def engine(model=None, **kw):
+    cfg = dict(block_size=4, decode_steps=3)
+    cfg.update(kw)
+    return EngineCore(model or tiny(), EngineConfig(**cfg))
+
+
+def drain(core):
+    while core.has_unfinished():
+        core.step()
+
+
+P1 = [3, 9, 27, 11, 40, 2, 8, 13, 50, 7]
+P2 = [4, 4, 61, 20, 33]
+P3 = [70, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 15]
+SAMPLED = SamplingParams(max_new_tokens=14, temperature=1.0, seed=123)
+
+
+def alone(prompt, params, **kw):
+    core = engine(prefix_caching=False, **kw)
+    (r,) = core.add_request(prompt, params)
+    drain(core)
+    return r
+
+
+def test_requests_arriving_mid_flight_match_one_at_a_time():
+    core = engine()
+    a = core.add_request(P1, SAMPLED)[0]
+    core.step()  # prefill of a
+    core.step()  # a decodes
+    b = core.add_request(P2, SamplingParams(max_new_tokens=9, temperature=0.8, seed=7))[0]
+    core.step()
+    c = core.add_request(P3, SamplingParams(max_new_tokens=11, temperature=0))[0]
+    drain(core)
+    for req, prompt in ((a, P1), (b, P2), (c, P3)):
+        ref = alone(prompt, req.params)
+        assert req.output_ids == ref.output_ids
+        assert torch.allclose(torch.tensor(req.logprobs), torch.tensor(ref.logprobs), atol=1e-5)
+
+
+def test_group_shares_prompt_pages_and_matches_unshared():
+    prompt = list(range(1, 23))  # 22 tokens: 5 full pages of 4
+    core = engine()
+    group = core.add_request(prompt, SamplingParams(max_new_tokens=6, temperature=1.0, seed=5), n=4)
+    drain(core)
+    assert group[0].num_cached == 0
+    assert [r.num_cached for r in group[1:]] == [20, 20, 20]  # every full page of the prompt shared
+    outs = [r.output_ids for r in group]
+    assert len({tuple(o) for o in outs}) > 1  # the samples differ (seeds 5, 6, 7, 8)
+    for i, r in enumerate(group):
+        ref = alone(prompt, SamplingParams(max_new_tokens=6, temperature=1.0, seed=5 + i))
+        assert r.output_ids == ref.output_ids
+        assert torch.allclose(torch.tensor(r.logprobs), torch.tensor(ref.logprobs), atol=1e-5)
+
+
+def test_shared_pages_are_refcounted_and_freed():
+    core = engine(num_blocks=40)
+    free0 = core.blocks.num_free
+    group = core.add_request(list(range(1, 18)), SamplingParams(max_new_tokens=10, temperature=0), n=3)
+    core.step()  # the leader's prefill: 17 tokens -> 5 pages, 4 full ones cached
+    assert core.blocks.num_free == free0 - 5
+    core.step()
+    core.step()  # followers admitted, each reusing the 4 full pages: one page of their own
+    shared = group[0].block_ids[:4]
+    assert all(r.block_ids[:4] == shared for r in group)
+    assert all(core.blocks.ref[b] == 3 for b in shared)
+    drain(core)
+    assert core.blocks.num_free == free0  # everything back (cached pages stay evictable)
+    assert core.flush_cache() and not core.blocks.cached
+
+
+def test_chunked_prefill_and_preemption_give_the_same_tokens():
+    params = SamplingParams(max_new_tokens=20, temperature=0.7, seed=3)
+    refs = [alone(p, params).output_ids for p in (P1, P2, P3)]
+    core = engine(max_batched_tokens=3, num_blocks=12, max_model_len=40)  # tiny: forces chunks and preemption
+    reqs = [core.add_request(p, params)[0] for p in (P1, P2, P3)]
+    preempted = 0
+    while core.has_unfinished():
+        before = {r.request_id for r in core.scheduler.waiting}
+        core.step()
+        preempted += len({r.request_id for r in core.scheduler.waiting} - before)
+    assert preempted > 0
+    assert [r.output_ids for r in reqs] == refs
+
+
+def test_abort_running_request():
+    core = engine()
+    (r,) = core.add_request(P1, SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True))
+    core.step()
+    core.step()
+    assert 0 < len(r.output_ids) < 50
+    assert core.abort(r.request_id)
+    outs = core.step()
+    assert outs[0].finished and r.finish_reason == "abort"
+    assert not core.has_unfinished() and core.blocks.num_free == core.blocks.num_blocks - 1
+
+
+def test_stop_token_and_stop_string_and_length():
+    ref = alone(P1, SamplingParams(max_new_tokens=12, temperature=0)).output_ids
+    stop_tok = ref[4]
+    first = ref.index(stop_tok)
+    r = alone(P1, SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=[stop_tok]))
+    assert r.output_ids == ref[: first + 1] and r.finish_reason == "stop" and r.matched_stop == stop_tok
+    core = EngineCore(tiny(), EngineConfig(block_size=4, decode_steps=4), detokenize=lambda ids: "".join(chr(97 + t % 26) for t in ids))
+    text = "".join(chr(97 + t % 26) for t in ref)
+    target = text[5:7]
+    (s,) = core.add_request(P1, SamplingParams(max_new_tokens=12, temperature=0, stop=[target]))
+    drain(core)
+    assert s.finish_reason == "stop" and s.matched_stop == target
+    assert s.output_ids == ref[: text.index(target) + 2]
+    eos = EngineCore(tiny(), EngineConfig(block_size=4), eos_token_ids=[ref[2]])
+    (e,) = eos.add_request(P1, SamplingParams(max_new_tokens=12, temperature=0))
+    (ig,) = eos.add_request(P1, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+    drain(eos)
+    assert e.output_ids == ref[: ref.index(ref[2]) + 1] and ig.output_ids == ref and ig.finish_reason == "length"
+
+
+def test_update_weights_in_place_from_tensors_and_disk(tmp_path):
+    from miles_core.models.checkpoint import save_hf_folder
+    from miles_core.plugins.manager import MilesPlugins
+
+    core = engine(model=tiny(0))
+    new = tiny(1)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0)
+    before = alone(P1, greedy).output_ids
+    ptr = core.model.lm_head.weight.data_ptr()
+    core.update_weights(new.state_dict(), version=7)
+    assert core.model.lm_head.weight.data_ptr() == ptr  # in place (CUDA graphs stay valid)
+    (r,) = core.add_request(P1, greedy)
+    drain(core)
+    e_core = EngineCore(tiny(1), EngineConfig(block_size=4))
+    (e,) = e_core.add_request(P1, greedy)
+    drain(e_core)
+    assert r.output_ids == e.output_ids != before and r.weight_version == 7
+    save_hf_folder(tiny(0), MilesPlugins().registries.model_families.get("llama"), tmp_path / "ckpt")
+    core.update_weights_from_disk(tmp_path / "ckpt", version=8)
+    (back,) = core.add_request(P1, greedy)
+    drain(core)
+    assert back.output_ids == before and back.weight_version == 8
+    with pytest.raises(Exception, match="unknown parameter"):
+        core.update_weights({"nope": torch.zeros(1)})
+
+
+def test_release_and_resume_memory_keep_outputs():
+    core = engine()
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    (a,) = core.add_request(P2, greedy)
+    drain(core)
+    core.release_memory()
+    assert core.runner.kv is None
+    with pytest.raises(Exception, match="released"):
+        core.add_request(P2, greedy)
+    core.resume_memory()
+    (b,) = core.add_request(P2, greedy)
+    drain(core)
+    assert a.output_ids == b.output_ids
+
+
+def test_rejects_bad_requests():
+    core = engine(max_model_len=32)
+    with pytest.raises(Exception, match="empty"):
+        core.add_request([], SamplingParams())
+    with pytest.raises(Exception, match="max_model_len"):
+        core.add_request(list(range(40)), SamplingParams())
+    with pytest.raises(Exception, match="input_ids"):
+        core.add_request([1, 999], SamplingParams())

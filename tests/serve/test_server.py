@@ -1,0 +1,164 @@
+"""`miles serve` over loopback with a real HTTP client (http.client): SGLang's endpoints, OpenAI's,
+malformed and oversized requests, streaming, and an abort in mid-generation."""
+
+import base64
+import threading
+import time
+
+import torch
+
+from miles_core.rollout.base import SamplingParams
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0}
+
+
+def engine_ref(server, ids, params):
+    """The same request run straight on the engine core (through its thread)."""
+    reqs, sink = server.engine.submit(ids, params, None)
+    while not sink.get().finished:
+        pass
+    return reqs[0]
+
+
+def test_health_and_model_info(client):
+    assert client.request("GET", "/health") == (200, "")
+    assert client.request("GET", "/health_generate")[0] == 200
+    status, info = client.request("GET", "/get_model_info")
+    assert status == 200 and info["is_generation"] and info["weight_version"] == "0"
+
+
+def test_generate_text_and_ids_with_logprobs(client, server):
+    tok = server.tokenizer
+    status, out = client.post("/generate", {"text": "12+34=", "sampling_params": GREEDY, "return_logprob": True, "top_logprobs_num": 2})
+    assert status == 200
+    ref = engine_ref(server, tok.encode("12+34="), SamplingParams(max_new_tokens=6, temperature=0))
+    assert out["output_ids"] == ref.output_ids
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["prompt_tokens"] == 6 and meta["completion_tokens"] == 6
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == ref.output_ids
+    assert torch.allclose(torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]]), torch.tensor(ref.logprobs), atol=1e-6)
+    assert all(row[0][1] == t for row, t in zip(meta["output_top_logprobs"], ref.output_ids))  # greedy = top-1
+    assert out["text"] == tok.decode(ref.output_ids)
+    status, by_ids = client.post("/generate", {"input_ids": tok.encode("12+34="), "sampling_params": GREEDY})
+    assert by_ids["output_ids"] == ref.output_ids
+
+
+def test_batch_and_n_keep_order(client):
+    body = {"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": [{"max_new_tokens": 3, "n": 2, "sampling_seed": 1}, {"max_new_tokens": 4}], "rid": ["a", "b"]}
+    status, outs = client.post("/generate", body)
+    assert status == 200
+    assert [o["meta_info"]["id"] for o in outs] == ["a-0", "a-1", "b"]
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [3, 3, 4]
+
+
+def test_stream_events_grow_to_the_final_answer(client):
+    events = client.stream("/generate", {"text": "7*8=", "sampling_params": {"max_new_tokens": 7, "temperature": 0}, "stream": True})
+    status, final = client.post("/generate", {"text": "7*8=", "sampling_params": {"max_new_tokens": 7, "temperature": 0}})
+    assert len(events) >= 2
+    assert events[-1]["output_ids"] == final["output_ids"]
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+    lens = [len(e["output_ids"]) for e in events]
+    assert lens == sorted(lens)
+
+
+def test_malformed_and_oversized_requests(client, server):
+    bad = [
+        (b"{not json", "malformed JSON"),
+        (b'{"sampling_params": {}}', "exactly one of"),
+        (b'{"text": "a", "input_ids": [1]}', "exactly one of"),
+        (b'{"input_ids": ["x"]}', "input_ids"),
+        (b'{"input_ids": [100000]}', "input_ids must be in"),
+        (b'{"text": "a", "sampling_params": {"temperature": -1}}', "temperature"),
+        (b'{"text": "a", "sampling_params": {"top_p": 0}}', "top_p"),
+        (b'{"text": "a", "sampling_params": {"max_new_tokens": "5"}}', "max_new_tokens"),
+        (b'{"text": "a", "sampling_params": {"colour": 1}}', "unsupported sampling_params: colour"),
+        (b'[1, 2]', "JSON object"),
+    ]
+    for raw, reason in bad:
+        status, body = client.post("/generate", raw=raw)
+        assert status == 400, raw
+        assert reason in body["error"]["message"], (raw, body)
+    status, body = client.post("/generate", raw=b'{"text": "' + b"a" * (1 << 17) + b'"}')
+    assert status == 413 and "exceeds the limit" in body["error"]["message"]
+    assert client.request("GET", "/nope")[0] == 404
+    assert client.request("GET", "/health")[0] == 200  # the server is still fine
+
+
+def test_abort_in_mid_generation(client, server):
+    result = {}
+
+    def long_request():
+        result["out"] = client.post("/generate", {"text": "1+1=", "rid": "long", "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}})
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.time() + 30
+    while time.time() < deadline:  # wait until it is running and has produced tokens
+        req = server.engine.core.requests.get("long")
+        if req is not None and len(req.output_ids) > 3:
+            break
+        time.sleep(0.01)
+    status, body = client.post("/abort_request", {"rid": "long"})
+    assert status == 200 and body["success"]
+    t.join(30)
+    status, out = result["out"]
+    assert status == 200
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 3 < out["meta_info"]["completion_tokens"] < 1500
+
+
+def test_pause_and_continue(client, server):
+    assert client.post("/pause_generation", {"mode": "in_place"})[0] == 200
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("out", client.post("/generate", {"text": "5", "sampling_params": GREEDY})))
+    t.start()
+    time.sleep(0.3)
+    assert "out" not in result  # held while paused
+    assert client.post("/continue_generation", {})[0] == 200
+    t.join(30)
+    assert result["out"][0] == 200 and result["out"][1]["meta_info"]["completion_tokens"] == 6
+
+
+def test_weight_updates_memory_and_cache(client, server, model_dir, tmp_path):
+    from miles_core.models.checkpoint import save_hf_folder
+    from miles_core.plugins.manager import MilesPlugins
+
+    body = {"text": "9-4=", "sampling_params": GREEDY}
+    before = client.post("/generate", body)[1]["output_ids"]
+    model = server.engine.core.model
+    name = "model.embed_tokens.weight"
+    old = model.state_dict()[name].clone()
+    new = torch.randn_like(old) * 0.3
+    payload = {"named_tensors": [{"name": name, "dtype": "float32", "shape": list(new.shape),
+                                  "data": base64.b64encode(new.numpy().tobytes()).decode()}], "weight_version": 3}
+    status, res = client.post("/update_weights_from_tensor", payload)
+    assert status == 200 and res["weight_version"] == "3"
+    assert torch.equal(model.state_dict()[name], new)
+    after = client.post("/generate", body)[1]
+    assert after["meta_info"]["weight_version"] == "3" and after["output_ids"] != before
+    status, res = client.post("/update_weights_from_disk", {"model_path": str(model_dir), "weight_version": 4})
+    assert status == 200 and res["weight_version"] == "4"
+    assert client.post("/generate", body)[1]["output_ids"] == before
+    assert client.post("/update_weights_from_tensor", {"named_tensors": [{"name": "x"}]})[0] == 400
+    assert client.post("/update_weights_from_disk", {"model_path": str(tmp_path)})[0] == 400
+    assert client.post("/release_memory_occupation", {})[0] == 200
+    assert client.post("/generate", body)[0] == 400  # released: refused with the reason
+    assert client.post("/resume_memory_occupation", {})[0] == 200
+    assert client.post("/generate", body)[1]["output_ids"] == before
+    assert client.post("/flush_cache", {})[0] == 200
+
+
+def test_openai_completions_and_chat(client, server):
+    status, out = client.post("/v1/completions", {"prompt": "3+3=", "max_tokens": 4, "temperature": 0, "logprobs": 2})
+    assert status == 200 and out["object"] == "text_completion"
+    ref = client.post("/generate", {"text": "3+3=", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})[1]
+    assert out["choices"][0]["text"] == ref["text"]
+    assert out["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    assert len(out["choices"][0]["logprobs"]["token_logprobs"]) == 4
+    status, chat = client.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "2+2"}], "max_tokens": 3, "n": 2})
+    assert status == 200 and len(chat["choices"]) == 2 and chat["choices"][0]["message"]["role"] == "assistant"
+    events = client.stream("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "stream": True})
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert client.post("/v1/chat/completions", {"messages": "hi"})[0] == 400
