@@ -25,6 +25,6 @@ for part in "$@"; do
       python3 benchmarks/train_bench.py --preset qwen3-0.6b --device cuda --steps 5 --warmup 2 --no-memory-table 2>&1 | tee "$OUT/train_bench_torch.log" | tail -12
       python3 benchmarks/train_bench.py --preset qwen3-0.6b --device cuda --steps 5 --warmup 2 --no-memory-table --backend megatron 2>&1 | tee "$OUT/train_bench_megatron.log" | tail -12 ;;
     rollout)
-      python3 benchmarks/rollout_bench.py --device cuda 2>&1 | tee "$OUT/rollout_bench.log" | tail -25 ;;
+      python3 -m pytest -q tests/rollout/test_gpu_engine.py 2>&1 | tail -5; python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench.log" | tail -25 ;;
   esac
 done

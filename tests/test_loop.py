@@ -74,7 +74,7 @@ def test_run_writes_metrics_png_and_summary(tmp_path):
     png = (run_dir / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
-    assert (tmp_path / "final" / "model.safetensors").is_file()
+    assert (tmp_path / "final" / "hf" / "model.safetensors").is_file()
     assert summary["eval_accuracy_first"] == rl[0]["eval_accuracy"]
 
 

@@ -18,7 +18,9 @@ def test_builtins_register_their_components():
     assert regs.rollout_backends.entry("builtin").plugin == "miles.rollout"
     assert regs.tasks.entry("reverse").plugin == "miles.tasks"
     info = {i.name: i for i in pm.info()}
-    assert info["miles.algorithms"].registered["advantage_estimators"] == ["grpo"]
+    assert "grpo" in info["miles.algorithms"].registered["advantage_estimators"]
+    assert regs.kernels.entry("logprobs.torch").plugin == "miles.kernels"
+    assert regs.platforms.entry("cpu").plugin == "miles.platforms" and regs.platforms.get("cpu").is_available()
     assert "miles_register_policy_losses" in info["miles.algorithms"].hooks
 
 
@@ -64,6 +66,27 @@ def test_lifecycle_hooks_reach_plugins():
     pm = MilesPlugins(autoload=False, extra_plugins=[("listener", Listener())])
     pm.after_weight_sync(None, 3)
     assert seen == [3]
+
+
+def test_kernel_select_hook_overrides_priorities():
+    from miles_core.kernels.base import KernelImpl, Kernels
+
+    def mine(*a, **k):
+        return "mine"
+
+    class Chooser:
+        @hookimpl
+        def miles_register_kernels(self, registry):
+            registry.add("logprobs.low", KernelImpl("logprobs", mine, ("cpu",), priority=-5))
+
+        @hookimpl
+        def miles_kernel_select(self, op, platform, candidates):
+            return next((c for c in candidates if c.fn is mine), None)
+
+    plain = Kernels(MilesPlugins(autoload=False), "cpu")
+    assert plain["logprobs"] is not mine  # the higher-priority reference wins without the hook
+    chosen = Kernels(MilesPlugins(autoload=False, extra_plugins=[("chooser", Chooser())]), "cpu")
+    assert chosen["logprobs"] is mine
 
 
 def test_tracing_prints_hook_calls(capsys):
