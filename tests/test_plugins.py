@@ -15,13 +15,14 @@ def test_builtins_register_their_components():
     assert [n for n, _ in BUILTIN_PLUGINS] == pm.plugin_names()
     regs = pm.registries
     assert "grpo" in regs.advantage_estimators and "ppo_clip" in regs.policy_losses
-    assert regs.rollout_backends.entry("builtin").plugin == "miles.rollout"
-    assert regs.tasks.entry("reverse").plugin == "miles.tasks"
+    assert pm.registries.rollout_backends.entry("builtin").plugin == "miles.rollout"
+    assert pm.registries.tasks.entry("reverse").plugin == "miles.tasks"
+    assert pm.registries.weight_transports.entry("in_process").plugin == "miles.sync"
     info = {i.name: i for i in pm.info()}
     assert "grpo" in info["miles.algorithms"].registered["advantage_estimators"]
     assert regs.kernels.entry("logprobs.torch").plugin == "miles.kernels"
     assert pm.registries.platforms.entry("cpu").plugin == "miles.platforms"  # miles_register_platforms
-    assert pm.registries.kernels.entry("logprobs.torch").op == "logprobs"
+    assert pm.registries.kernels.entry("logprobs.torch").value.op == "logprobs"
     assert "miles_register_policy_losses" in info["miles.algorithms"].hooks
 
 
