@@ -56,9 +56,8 @@ def _rng_state(backend) -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    gen = getattr(backend, "generator", None)  # the built-in engine's sampling generator
-    if isinstance(gen, torch.Generator):
-        state["engine"] = gen.get_state()
+    if hasattr(backend, "get_rng_state"):  # the built-in engine draws each request's sampling seed
+        state["engine"] = backend.get_rng_state()
     return state
 
 
@@ -67,9 +66,8 @@ def _set_rng_state(state: dict, backend) -> None:
     random.setstate(state["python"])
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
-    gen = getattr(backend, "generator", None)
-    if "engine" in state and isinstance(gen, torch.Generator):
-        gen.set_state(state["engine"])
+    if "engine" in state and hasattr(backend, "set_rng_state"):
+        backend.set_rng_state(state["engine"])
 
 
 def _fsync_tree(root: Path) -> None:

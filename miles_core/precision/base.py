@@ -13,8 +13,9 @@ class PrecisionRecipe:
     name: str
     param_dtype: torch.dtype = torch.float32  # master weights
     compute_dtype: torch.dtype | None = None  # autocast dtype; None = no autocast
-    # True: the rollout engine reports its logprobs through the trainer's "logprobs" op, inside
-    # kernel_mode, so rollout and training logprobs can be bitwise equal (a plugin's batch-invariant mode)
+    # True: the built-in engine runs every step inside kernel_mode with exact attention (decode through
+    # the trainer's scaled_dot_product_attention call, no CUDA graphs), so that rollout and training
+    # logprobs can be bitwise equal (a plugin's batch-invariant mode)
     batch_invariant: bool = False
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:

@@ -41,6 +41,7 @@ class BuiltinEngine:
         config: EngineConfig | None = None,
         dtype: torch.dtype | None = None,
         precision=None,
+        kernels=None,
     ):
         model = copy.deepcopy(model).to(device)
         if dtype is not None:
@@ -48,16 +49,31 @@ class BuiltinEngine:
         cfg = config or EngineConfig(max_num_seqs=min(max_batch_size, 256))
         if device.type == "cpu" and config is None:
             cfg.decode_steps = 8
+        exact = precision is not None and precision.batch_invariant
+        if exact:
+            cfg.exact_attention = True  # the kernel mode must see the trainer's attention call
         self.tokenizer = tokenizer
         self.device = device
         self.precision = precision  # its kernel_mode wraps every engine step (a plugin's batch-invariant mode)
         eos = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
-        self.core = EngineCore(model, cfg, eos_token_ids=eos, detokenize=tokenizer.decode, seed=seed)
+        op = kernels["logprobs"] if exact and kernels is not None else None  # the trainer's op, for bitwise logprobs
+        self.core = EngineCore(
+            model, cfg, eos_token_ids=eos, detokenize=tokenizer.decode, seed=seed,
+            logprobs_op=op, logprobs_dtype=precision.compute_dtype if exact else None,
+        )
         self.model = self.core.model
 
     @property
     def weight_version(self) -> int:
         return self.core.weight_version
+
+    # ------------------------------------------------------------------ sampling state (checkpoints)
+    def get_rng_state(self) -> object:
+        """The state of the generator that draws each unseeded request's sampling seed."""
+        return self.core.rng.getstate()
+
+    def set_rng_state(self, state: object) -> None:
+        self.core.rng.setstate(state)
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:

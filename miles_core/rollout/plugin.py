@@ -8,7 +8,7 @@ def _builtin(ctx, model):
     precision = ctx.plugins.registries.precision_recipes.get(cfg.train.precision, key="train.precision")
     return BuiltinEngine(
         model, ctx.tokenizer, ctx.device, cfg.rollout.max_batch_size, seed=cfg.run.seed,
-        precision=precision,
+        precision=precision, kernels=ctx.kernels,
     )
 
 

@@ -21,6 +21,10 @@ class EngineConfig:
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
     triton_decode: bool = True  # the Triton paged-decode kernel on GPU (falls back to torch)
     prefix_caching: bool = True  # reuse full KV pages of identical prefixes across requests
+    # Decode through the same scaled_dot_product_attention call as prefill and the trainer (no CUDA
+    # graphs, no Triton, no decode window): slower, but a precision recipe's kernel mode then sees the
+    # same ops in rollout and training. Turned on by a batch-invariant precision recipe.
+    exact_attention: bool = False
 
     def validate(self) -> None:
         for key in ("block_size", "max_num_seqs", "max_batched_tokens", "max_model_len", "decode_steps"):

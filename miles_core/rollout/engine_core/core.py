@@ -44,8 +44,14 @@ class EngineCore:
         eos_token_ids: Iterable[int] = (),
         detokenize: Callable[[list[int]], str] | None = None,
         seed: int = 0,
+        logprobs_op: Callable | None = None,
+        logprobs_dtype: torch.dtype | None = None,
     ) -> None:
-        """``model`` is a Decoder already on its device, in its serving dtype; the core uses it as is."""
+        """``model`` is a Decoder already on its device, in its serving dtype; the core uses it as is.
+
+        ``logprobs_op`` (the trainer's kernel op "logprobs", with ``config.exact_attention``): the
+        reported logprob of each sampled token is recomputed by that op from the final hidden state
+        (cast to ``logprobs_dtype``), exactly as the trainer computes it, instead of by the sampler."""
         self.cfg = config or EngineConfig()
         self.cfg.validate()
         self.model = model.eval()
@@ -55,6 +61,7 @@ class EngineCore:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids if t is not None)
         self.detokenize = detokenize
         self.rng = random.Random(seed)
+        self.logprobs_op, self.logprobs_dtype = logprobs_op, logprobs_dtype
         self.weight_version = 0
         self.max_model_len = min(self.cfg.max_model_len, model.config.max_position_embeddings)
         bs = self.cfg.block_size
@@ -260,9 +267,25 @@ class EngineCore:
         st = SamplingTensors.build([r.params for r in sample_reqs], [r.seed for r in sample_reqs], dev)
         counters = torch.tensor([len(r.output_ids) for r in sample_reqs], dtype=torch.long, device=dev)
         tok, lp, top = sample(logits, st, counters)
+        lp = self._op_logprobs(tok, lp, st)
         toks, lps = tok.tolist(), lp.tolist()
         tops = _top_lists(top, [r.params.top_logprobs for r in sample_reqs])
         return [self._append(r, [toks[i]], [lps[i]], [tops[i]] if tops else None) for i, r in enumerate(sample_reqs)]
+
+    def _op_logprobs(self, tok: torch.Tensor, lp: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        """The trainer's logprob of each sampled token (rows grouped by temperature; 0 = greedy -> 1)."""
+        if self.logprobs_op is None:
+            return lp
+        h = self.runner.last_hidden
+        if self.logprobs_dtype is not None:
+            h = h.to(self.logprobs_dtype)
+        w = self.model.lm_head.weight
+        out = torch.empty_like(lp)
+        temps = st.temperature.tolist()
+        for t in sorted(set(temps)):
+            rows = torch.tensor([i for i, x in enumerate(temps) if x == t], device=tok.device)
+            out[rows] = self.logprobs_op(h[rows], w, tok[rows], temperature=t if t > 0 else 1.0)[0].float()
+        return out
 
     def _decode(self, plan: DecodePlan) -> list[RequestOutput]:
         reqs, k = plan.requests, plan.steps
@@ -308,6 +331,7 @@ class EngineCore:
         for j in range(k):
             logits, routed = run.decode(b, max_ctx, j)
             tok, lp, top = sample(logits, st, counters + j)
+            lp = self._op_logprobs(tok, lp, st)
             out_tok[:, j] = tok
             out_lp[:, j] = lp
             if top is not None:

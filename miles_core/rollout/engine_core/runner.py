@@ -46,8 +46,9 @@ class ModelRunner:
         self.kv: torch.Tensor | None = None
         self.num_blocks = 0
         on_gpu = device.type == "cuda"
-        self.use_graphs = on_gpu and cfg.cuda_graphs and not self.is_moe  # MoE routing is data dependent
-        self.use_triton = on_gpu and cfg.triton_decode and triton_decode.available() and self.dtype != torch.float32
+        exact = cfg.exact_attention
+        self.use_graphs = on_gpu and cfg.cuda_graphs and not self.is_moe and not exact  # MoE routing is data dependent
+        self.use_triton = on_gpu and cfg.triton_decode and triton_decode.available() and self.dtype != torch.float32 and not exact
         self.graph_sizes = sorted(b for b in cfg.graph_batch_sizes if b <= cfg.max_num_seqs) or [cfg.max_num_seqs]
         if self.graph_sizes[-1] < cfg.max_num_seqs:
             self.graph_sizes.append(cfg.max_num_seqs)
@@ -58,6 +59,7 @@ class ModelRunner:
         self.block_tables = torch.zeros(g, self.max_blocks, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._window: DecodeWindow | None = None
+        self.last_hidden: torch.Tensor | None = None  # exact_attention: final hidden states of the last logits
         self.graph_pool = None
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 1
 
@@ -140,6 +142,8 @@ class ModelRunner:
         """Flat prefill of chunks of several sequences. Returns (logits [M, V] at ``logits_index``, routing)."""
         x = self.model.model.embed_tokens(input_ids)
         hidden, routed = self._layers(x, positions, slots, lambda q, kc, vc: paged_attention(q, kc, vc, meta, self.block_size))
+        if self.cfg.exact_attention:
+            self.last_hidden = hidden[logits_index]  # the core's logprobs_op reads it
         logits = self.model.lm_head(hidden[logits_index]) if logits_index.numel() else None
         return logits, routed
 
@@ -150,7 +154,10 @@ class ModelRunner:
         rows = torch.arange(bs, device=self.device)
         page_col = (positions // p).clamp(max=self.max_blocks - 1)
         slots = bt[rows, page_col].long() * p + positions % p
-        if self.use_triton:
+        if self.cfg.exact_attention:  # one query per row through the prefill path (SDPA with a mask)
+            meta = AttnBatch(bt, ctx.long(), rows, positions[:, None], bs, 1, max_ctx)
+            attend = lambda q, kc, vc: paged_attention(q, kc, vc, meta, p)  # noqa: E731
+        elif self.use_triton:
             splits = triton_decode.num_splits(bs, self.kv_heads, self.num_sms)
             attend = lambda q, kc, vc: triton_decode.paged_decode(q, kc, vc, bt, ctx, p, splits)  # noqa: E731
         elif self._window is not None:
@@ -159,11 +166,13 @@ class ModelRunner:
             attend = lambda q, kc, vc: decode_attention_torch(q, kc, vc, bt, ctx, p, max_ctx)  # noqa: E731
         x = self.model.model.embed_tokens(tokens)
         hidden, routed = self._layers(x, positions, slots, attend)
+        if self.cfg.exact_attention:
+            self.last_hidden = hidden
         return self.model.lm_head(hidden), routed
 
     def begin_window(self, bs: int, steps: int) -> None:
         """Eager decode only: gather every row's cached K/V once for a window of ``steps`` steps."""
-        if self.use_graphs or self.use_triton:
+        if self.use_graphs or self.use_triton or self.cfg.exact_attention:
             return
         pos0 = self.positions[:bs].clone()  # cache positions < pos0 exist before the window
         t0 = max(self.block_size, -(-int(pos0.max()) // self.block_size) * self.block_size)

@@ -32,5 +32,5 @@ def tiny_pair(precision: str, device: str, platform: str, **model):
     kernels = Kernels(pm, platform)
     dev = torch.device(device)
     trainer = TorchTrainer(net, cfg, dev, recipe, kernels)
-    engine = BuiltinEngine(net, tok, dev, seed=0, precision=recipe)
+    engine = BuiltinEngine(net, tok, dev, seed=0, precision=recipe, kernels=kernels)
     return trainer, engine, tok

@@ -106,7 +106,6 @@ def _rollout_vs_train(precision, device, platform, n_new, **model):
     return lp * mask, batch.rollout_logprobs * mask, mask
 
 
-@pytest.mark.xfail(reason="regressed when the paged engine (feat/engine) was merged in the last hour of session 1; see the issue notes", strict=False)
 def test_engine_and_trainer_logprobs_bitwise_equal_cpu():
     # under the Triton interpreter on CPU (or the GPU kernels when CUDA is there)
     dev = "cuda" if torch.cuda.is_available() else "cpu"

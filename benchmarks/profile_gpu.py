@@ -1,0 +1,119 @@
+"""Where the time goes: torch.profiler and cProfile tables for the engine's decode and a train step.
+
+    python benchmarks/profile_gpu.py engine --batch 64 --new-tokens 64
+    python benchmarks/profile_gpu.py train
+
+Prints the top ops by device time and by host time, and the top Python functions (cProfile,
+cumulative), for one timed run after a warm-up. Same models as rollout_bench.py / train_bench.py
+(Qwen3-0.6B shape, random bf16 weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _tables(prof, py: cProfile.Profile, dt: float, label: str) -> None:
+    print(f"\n=== {label}: {dt * 1e3:.1f} ms wall ===")
+    ka = prof.key_averages()
+    print(ka.table(sort_by="self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total", row_limit=22))
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=12))
+    s = io.StringIO()
+    pstats.Stats(py, stream=s).sort_stats("cumulative").print_stats(28)
+    print(s.getvalue()[-6000:])
+
+
+def _timed(fn, dev):
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    py = cProfile.Profile()
+    with profile(activities=acts) as prof:
+        torch.cuda.synchronize() if dev.type == "cuda" else None
+        t0 = time.perf_counter()
+        py.enable()
+        fn()
+        py.disable()
+        torch.cuda.synchronize() if dev.type == "cuda" else None
+        dt = time.perf_counter() - t0
+    return prof, py, dt
+
+
+def engine(args, dev) -> None:
+    from miles_core.models.decoder import Decoder, DecoderConfig
+    from miles_core.rollout.base import SamplingParams
+    from miles_core.rollout.engine_core.config import EngineConfig
+    from miles_core.rollout.engine_core.core import EngineCore
+    from train_bench import PRESETS
+
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig(**PRESETS["qwen3-0.6b"])).to(dev, torch.bfloat16)
+    cfg = EngineConfig(max_num_seqs=args.batch, max_model_len=args.prompt_len + args.new_tokens + 16, kv_memory_fraction=0.3)
+    core = EngineCore(model, cfg)
+    prompts = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt_len)).tolist()
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, ignore_eos=True)
+
+    def run():
+        for p in prompts:
+            core.add_request(p, params)
+        while core.has_unfinished():
+            core.step()
+
+    run()
+    run()
+    prof, py, dt = _timed(run, dev)
+    print(f"engine: batch {args.batch}, {args.new_tokens} new tokens, graphs {core.runner.use_graphs}, triton {core.runner.use_triton}: "
+          f"{args.batch * args.new_tokens / dt:.0f} tok/s, {dt / args.new_tokens * 1e3:.2f} ms per decode step (prefill included)")
+    _tables(prof, py, dt, "engine")
+
+
+def train(args, dev) -> None:
+    from miles_core.config.loader import load_config
+    from miles_core.context import RunContext
+    from miles_core.kernels.base import Kernels
+    from miles_core.models.decoder import Decoder, DecoderConfig
+    from miles_core.plugins.manager import MilesPlugins
+    from train_bench import PRESETS, make_batch
+
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig(**PRESETS["qwen3-0.6b"]))
+    cfg = load_config(None, ["train.precision=bf16", "train.max_tokens_per_micro_batch=8192", "train.micro_batch_size=1000000",
+                             "train.lr=0.00001", *args.overrides])
+    plugins = MilesPlugins()
+    ctx = RunContext(cfg, plugins, None, dev, dev.type, Kernels(plugins, dev.type))
+    trainer = plugins.registries.trainers.get("torch")(ctx, model)
+    loss_fn = functools.partial(plugins.registries.policy_losses.get("ppo_clip"), cfg=cfg.algorithm)
+    batch = make_batch(4, 4096, 256, model.config.vocab_size, 0)
+    trainer.train_step(batch, loss_fn)
+    trainer.train_step(batch, loss_fn)
+    prof, py, dt = _timed(lambda: trainer.train_step(batch, loss_fn), dev)
+    print(f"train: 16384 tokens in {dt * 1e3:.0f} ms ({16384 / dt:.0f} tok/s)")
+    _tables(prof, py, dt, "train step")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["engine", "train"])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    {"engine": engine, "train": train}[args.what](args, dev)
+
+
+if __name__ == "__main__":
+    main()
