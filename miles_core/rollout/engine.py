@@ -54,6 +54,7 @@ class BuiltinEngine:
         eos = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
         self.core = EngineCore(model, cfg, eos_token_ids=eos, detokenize=tokenizer.decode, seed=seed)
         self.model = self.core.model
+        self._abort_requested = False  # set by abort_all() from another thread
 
     @property
     def weight_version(self) -> int:
@@ -72,6 +73,11 @@ class BuiltinEngine:
     def resume_memory(self, tags=("weights", "kv_cache")) -> None:
         self.core.resume_memory(tags)
 
+    def abort_all(self) -> None:
+        """Abort every running request (from another thread): a running ``generate`` returns them
+        with the tokens sampled so far and ``finish_reason="abort"``. Takes effect between engine steps."""
+        self._abort_requested = True
+
     def shutdown(self) -> None:
         for rid in list(self.core.requests):
             self.core.abort(rid)
@@ -85,8 +91,12 @@ class BuiltinEngine:
             ids = p.prompt_ids or tok.encode(p.text)
             groups.append(self.core.add_request(ids, params, n=n))
         mode = self.precision.kernel_mode(self.device) if self.precision is not None else contextlib.nullcontext()
+        self._abort_requested = False
         with mode:
             while self.core.has_unfinished():
+                if self._abort_requested:
+                    for rid in list(self.core.requests):
+                        self.core.abort(rid)
                 self.core.step()
         samples = []
         for gi, (prompt, reqs) in enumerate(zip(prompts, groups)):
