@@ -26,7 +26,13 @@ def write_weights(weights: Mapping[str, torch.Tensor], root: str | Path, version
     from safetensors.torch import save_file
 
     root = Path(root)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
+    state, seen = {}, set()
+    for k, v in weights.items():  # a tied tensor (lm_head = embed_tokens) is written once
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape)) if v.numel() else None
+        if key is not None and key in seen:
+            continue
+        seen.add(key)
+        state[k] = v.detach().to("cpu").contiguous()
 
     def write(tmp: Path) -> None:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "weight_version": str(version)})

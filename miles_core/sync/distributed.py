@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from miles_core.errors import ConfigError, MilesUserError
+from miles_core.rollout.sglang.http import EngineDown
 from miles_core.rollout.sglang.launch import free_port
 from miles_core.sync.buckets import buckets, dtype_name
 from miles_core.sync.process_group import broadcast, make_group
@@ -64,18 +65,31 @@ class DistributedTransport:
         dist_backend = self.backend if self.backend != "auto" else ("nccl" if first.is_cuda else "gloo")
         device = first.device if dist_backend == "nccl" else torch.device("cpu")
         with backend.weights_lock:
-            urls = backend.engine_urls()
-            if urls != self._members or dist_backend != self._dist_backend:
-                self._connect(backend, urls, dist_backend)
-            parts = buckets(weights, self.bucket_bytes)
-            with ThreadPoolExecutor(len(urls)) as pool:
-                for i, part in enumerate(parts):
-                    body = {"names": [n for n, _ in part], "dtypes": [dtype_name(t) for _, t in part],
-                            "shapes": [list(t.shape) for _, t in part], "group_name": self._name,
-                            "weight_version": str(version), "flush_cache": i == len(parts) - 1}
-                    futs = [pool.submit(backend.post, u, "/update_weights_from_distributed", body) for u in urls]
-                    for _, t in part:
-                        broadcast(self._group, t.detach().to(device).contiguous())
-                    for u, f in zip(urls, futs):
-                        _check(u, "/update_weights_from_distributed", f.result())
+            for attempt in range(3):
+                try:
+                    self._push_once(weights, version, backend, dist_backend, device)
+                    break
+                except (EngineDown, RuntimeError, MilesUserError):
+                    # an engine died during the push: the group is broken; once every engine is
+                    # serving again, build a new group and send the whole version again
+                    if attempt == 2 or not hasattr(backend, "wait_all_up") or backend.monitor is None:
+                        raise
+                    self._members = None
+                    backend.wait_all_up()
             backend.remember(version, state=weights)
+
+    def _push_once(self, weights, version, backend, dist_backend, device) -> None:
+        urls = backend.engine_urls()
+        if urls != self._members or dist_backend != self._dist_backend:
+            self._connect(backend, urls, dist_backend)
+        parts = buckets(weights, self.bucket_bytes)
+        with ThreadPoolExecutor(len(urls)) as pool:
+            for i, part in enumerate(parts):
+                body = {"names": [n for n, _ in part], "dtypes": [dtype_name(t) for _, t in part],
+                        "shapes": [list(t.shape) for _, t in part], "group_name": self._name,
+                        "weight_version": str(version), "flush_cache": i == len(parts) - 1}
+                futs = [pool.submit(backend.post, u, "/update_weights_from_distributed", body) for u in urls]
+                for _, t in part:
+                    broadcast(self._group, t.detach().to(device).contiguous())
+                for u, f in zip(urls, futs):
+                    _check(u, "/update_weights_from_distributed", f.result())

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
-from miles_core.errors import ConfigError, MilesUserError
+from miles_core.errors import ConfigError
 from miles_core.sync.buckets import buckets, dtype_name
 
 
@@ -34,11 +34,7 @@ class TensorTransport:
         if getattr(backend, "kind", "") == "sglang":
             raise ConfigError("sync.transport=sglang_tensor speaks miles serve's named_tensors; with SGLang servers use disk or distributed")
         with backend.weights_lock:
-            urls = backend.engine_urls()
             for part in buckets(weights, self.bucket_bytes):
                 body = {"named_tensors": [encode(n, t) for n, t in part], "weight_version": str(version)}
-                for u in urls:
-                    res = backend.post(u, "/update_weights_from_tensor", body)
-                    if isinstance(res, dict) and res.get("success") is False:
-                        raise MilesUserError(f"{u}/update_weights_from_tensor: {res.get('message', res)}")
+                backend.broadcast_post("/update_weights_from_tensor", body)
             backend.remember(version, state=weights)

@@ -159,8 +159,15 @@ class SglangBackend:
         old = eng.server
         old.stop()
         with self.weights_lock:
-            server = launch(self.kind, self.model_dir, self.cfg.server_args, self.workdir / "logs", f"engine{i}")
-            wait_healthy(server, self.cfg.startup_timeout_s)
+            for attempt in range(3):  # the new process may die too (killed while starting)
+                server = launch(self.kind, self.model_dir, self.cfg.server_args, self.workdir / "logs", f"engine{i}")
+                try:
+                    wait_healthy(server, self.cfg.startup_timeout_s)
+                    break
+                except MilesUserError:
+                    server.stop()
+                    if attempt == 2:
+                        raise
             if self.weight_version:
                 path = self._latest_path or self._write_latest()
                 request(server.url + "/update_weights_from_disk", {"model_path": path, "weight_version": str(self.weight_version)},
@@ -187,13 +194,37 @@ class SglangBackend:
         self._latest_path = path
         self._latest_state = None if state is None else {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
+    def recovering(self, url: str) -> bool:
+        """Whether ``url`` belongs to a launched engine that died (the monitor restarts it)."""
+        return self.monitor is not None and any(e.url == url and (e.dead() or not e.up.is_set()) for e in self.engines)
+
+    def wait_all_up(self) -> None:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s + 60
+        while any(e.dead() or not e.up.is_set() for e in self.engines):
+            failed = self.monitor.failures if self.monitor is not None else {}
+            if failed or time.monotonic() > deadline:
+                raise MilesUserError(f"rollout engines did not come back: {failed or 'timed out'}")
+            time.sleep(0.05)
+
+    def broadcast_post(self, path: str, body: Any) -> None:
+        """POST ``body`` to every engine; one that dies meanwhile is skipped (its restart loads the
+        version recorded by :meth:`remember`, which the caller does before releasing weights_lock)."""
+        def one(url):
+            try:
+                res = self.post(url, path, body)
+            except EngineDown:
+                if self.recovering(url) or (self.monitor is not None and not healthy(url)):
+                    return
+                raise MilesUserError(f"{url}{path}: the rollout server stopped answering") from None
+            if isinstance(res, dict) and res.get("success") is False:
+                raise MilesUserError(f"{url}{path}: {res.get('message', res)}")
+
+        with ThreadPoolExecutor(len(self.engines)) as pool:
+            list(pool.map(one, self.engine_urls()))
+
     def update_weights_from_disk(self, path: str | Path, version: int) -> None:
         with self.weights_lock:
-            body = {"model_path": str(path), "weight_version": str(version)}
-            with ThreadPoolExecutor(len(self.engines)) as pool:
-                for e, res in zip(self.engines, pool.map(lambda e: self.post(e.url, "/update_weights_from_disk", body), self.engines)):
-                    if isinstance(res, dict) and res.get("success") is False:
-                        raise MilesUserError(f"{e.url}/update_weights_from_disk: {res.get('message')}")
+            self.broadcast_post("/update_weights_from_disk", {"model_path": str(path), "weight_version": str(version)})
             self.remember(version, path=str(path))
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
