@@ -2,7 +2,8 @@
 ``/update_weights_from_tensor``, in buckets (``sync.bucket_mb``), as `miles serve` accepts them:
 ``named_tensors`` = ``[{name, dtype, shape, data}]`` with ``data`` the base64 of the raw bytes.
 
-For small models: every byte is base64-encoded (4/3 larger) and parsed by the server. SGLang's
+Buckets are capped at 32 MB of raw tensor bytes (``--max-request-bytes`` of `miles serve` is 64 MB
+by default). For small models: every byte is base64-encoded (4/3 larger) and parsed by the server. SGLang's
 own ``serialized_named_tensors`` hand over CUDA-IPC handles and only work when trainer and engine
 share the GPU host; use ``disk`` or ``distributed`` with a real SGLang server.
 """
@@ -25,8 +26,10 @@ def encode(name: str, t: torch.Tensor) -> dict:
 
 
 class TensorTransport:
+    MAX_BUCKET = 32 << 20  # raw bytes; base64 makes ~43 MB, under miles serve's default 64 MB request limit
+
     def __init__(self, bucket_bytes: int) -> None:
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes = min(bucket_bytes, self.MAX_BUCKET)
 
     def push(self, weights: Mapping[str, torch.Tensor], version: int, backend) -> None:
         if not hasattr(backend, "engine_urls"):
