@@ -15,6 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from miles_core.config.loader import load_config
@@ -76,14 +77,15 @@ def killer(done: threading.Event, kills: list[float]) -> None:
         kills.append(time.monotonic())
 
 
-def test_run_survives_five_engine_kills(tmp_path):
+@pytest.mark.parametrize("transport", ["disk", "distributed"])
+def test_run_survives_five_engine_kills(tmp_path, transport):
     cfg = load_config(None, [
         "run.name=recovery", f"run.output_dir={tmp_path}", "run.num_rollout=40", "run.eval_every=100", "run.device=cpu",
         "run.num_threads=1", "data.task=reverse", "data.num_eval=8",
         "data.task_options={min_len: 2, max_len: 4, alphabet: abcde, demo_noise: 0.6}",
         "model.hidden_size=128", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2", "model.intermediate_size=384",
         f"rollout.batch_size={BATCH}", f"rollout.n_samples_per_prompt={N}", "rollout.max_response_len=6",
-        "rollout.backend=sglang", "rollout.sglang.num_engines=1", "sync.transport=disk",
+        "rollout.backend=sglang", "rollout.sglang.num_engines=1", f"sync.transport={transport}",
         "train.sft_warmup_steps=2", "train.sft_batch_size=16", "train.micro_batch_size=64",
     ])
     rec = Recorder()
