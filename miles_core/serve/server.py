@@ -284,6 +284,7 @@ def _make_handler(server: MilesServer):
         "/health": Handler.health,
         "/health_generate": Handler.health_generate,
         "/get_model_info": Handler.model_info,
+        "/model_info": Handler.model_info,  # SGLang 0.5.23's name; /get_model_info is deprecated there
         "/generate": Handler.generate,
         "/abort_request": Handler.abort_request,
         "/flush_cache": Handler.flush_cache,

@@ -83,6 +83,8 @@ def parse_output(out: Any, url: str) -> tuple[list[int], list[float], str, int |
     if reason not in ("stop", "length", "abort"):
         raise MilesUserError(f"{url}: malformed response, field 'meta_info.finish_reason' is {fr!r}")
     version = meta.get("weight_version")
+    if version == "default":  # SGLang's name for the weights it started with
+        version = 0
     if version is not None:
         try:
             version = int(version)
@@ -140,12 +142,17 @@ class SglangBackend:
     def _reported_versions(self) -> list[int]:
         out = []
         for e in self.engines:
-            info = request(e.url + "/get_model_info", timeout=30)
+            try:
+                info = request(e.url + "/model_info", timeout=30)  # SGLang >= 0.5.23; /get_model_info before
+            except MilesUserError as exc:
+                if "HTTP 404" not in str(exc):
+                    raise
+                info = request(e.url + "/get_model_info", timeout=30)
             v = info.get("weight_version") if isinstance(info, dict) else None
             try:
-                out.append(int(v) if v is not None else 0)
+                out.append(int(v) if v not in (None, "default") else 0)
             except (TypeError, ValueError):
-                raise MilesUserError(f"{e.url}/get_model_info: field 'weight_version' is {v!r}, not an integer") from None
+                raise MilesUserError(f"{e.url}/model_info: field 'weight_version' is {v!r}, not an integer") from None
         return out
 
     def engine_versions(self) -> list[int]:

@@ -64,6 +64,8 @@ def server_command(kind: str, model_path: str, port: int, server_args: dict[str,
     if kind == "sglang":
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
                "--skip-server-warmup"]
+        if "weight_version" not in server_args:
+            cmd += ["--weight-version", "0"]  # SGLang's default is the string "default"
         for k, v in server_args.items():
             cmd += _flag(k, v)
         return cmd
