@@ -7,8 +7,9 @@ bf16 on GPU). Transports: disk (safetensors folder + /update_weights_from_disk),
 tensors in /update_weights_from_tensor, 32 MB buckets), and in-process (BuiltinEngine, for
 scale). Recovery: SIGKILL the engine, time until it serves the last pushed version again.
 
-CPU:         python benchmarks/weight_sync_bench.py
-GPU (H200):  python benchmarks/weight_sync_bench.py --device cuda
+CPU:            python benchmarks/weight_sync_bench.py
+one H200:       python benchmarks/weight_sync_bench.py --device cuda --dist-backend gloo
+two H200s:      python benchmarks/weight_sync_bench.py --device cuda:0 --engine-device cuda:1   (NCCL)
 If env OUT is set, the table is also written to $OUT/weight_sync_bench.json.
 """
 
@@ -44,21 +45,21 @@ SIZES = {
 }
 
 
-def bench(name: str, arch: dict, device: str, root: Path, repeats: int) -> list[dict]:
+def bench(name: str, arch: dict, device: str, root: Path, repeats: int, engine_device: str, dist_backend: str) -> list[dict]:
     tok = CharTokenizer()
     model = Decoder(DecoderConfig(vocab_size=tok.vocab_size, **arch))
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = model.to(dtype)
     params = sum(p.numel() for p in model.parameters())
     folder = root / name.split()[0]
     save_hf_folder(model, MilesPlugins(autoload=False).registries.model_families.get("llama"), folder, {CHAR_TOKENIZER_FILE: tok.to_json()})
-    cfg = SglangConfig(num_engines=1, server_args={"device": device, "dtype": "bf16" if device == "cuda" else "fp32"})
+    cfg = SglangConfig(num_engines=1, server_args={"device": engine_device, "dtype": "bf16" if device.startswith("cuda") else "fp32"})
     backend = SglangBackend(cfg, tok, folder, root / f"work-{name.split()[0]}")
     state = {k: v.to(device) for k, v in model.state_dict().items()}
     rows = []
     transports = {
         "disk": DiskTransport(root / f"weights-{name.split()[0]}"),
-        "distributed": DistributedTransport(256 << 20, "auto"),
+        "distributed": DistributedTransport(256 << 20, dist_backend),
         "sglang_tensor": TensorTransport(32 << 20),
     }
     try:
@@ -71,7 +72,7 @@ def bench(name: str, arch: dict, device: str, root: Path, repeats: int) -> list[
                 assert backend.engine_versions() == [v]
                 times.append(time.perf_counter() - t0)
             rows.append({"model": name, "params": params, "transport": tname, "push_s": min(times), "first_s": times[0]})
-        engine = BuiltinEngine(model, tok, torch.device(device))
+        engine = BuiltinEngine(model, tok, torch.device(engine_device))
         t0 = time.perf_counter()
         engine.update_weights(state, 1)
         rows.append({"model": name, "params": params, "transport": "in_process (builtin)", "push_s": time.perf_counter() - t0, "first_s": None})
@@ -89,13 +90,15 @@ def bench(name: str, arch: dict, device: str, root: Path, repeats: int) -> list[
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--engine-device", default=None, help="the engine's device (default: --device); NCCL needs another GPU")
+    ap.add_argument("--dist-backend", default="auto", help="auto (nccl for CUDA tensors), gloo, nccl")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sizes", default=",".join(SIZES))
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.sizes.split(","):
-            rows += bench(name, SIZES[name], args.device, Path(tmp), args.repeats)
+            rows += bench(name, SIZES[name], args.device, Path(tmp), args.repeats, args.engine_device or args.device, args.dist_backend)
     print(f"{'model':20} {'params':>12} {'transport':32} {'best s':>8} {'first s':>8}")
     for r in rows:
         first = f"{r['first_s']:.3f}" if r["first_s"] is not None else "-"

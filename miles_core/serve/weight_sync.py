@@ -50,6 +50,8 @@ class DistributedReceiver:
             raise BadRequest(f"no weight update group '{name}': call /init_weights_update_group first")
         pg, _store, backend = entry
         dev = device if backend == "nccl" else torch.device("cpu")
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)  # NCCL binds its communicator to the current device of this thread
         out = {}
         for n, dt, shape in zip(names, dtypes, shapes):
             dtype = getattr(torch, str(dt).removeprefix("torch."), None)
