@@ -95,3 +95,20 @@ def test_distributed_rejects_builtin_engine():
     model, tok = tiny_model(0)
     with pytest.raises(ConfigError, match="rollout.backend=sglang"):
         DistributedTransport(1 << 20).push(model.state_dict(), 1, BuiltinEngine(model, tok, torch.device("cpu")))
+
+
+def test_serve_weight_endpoints_reject_bad_requests(served):
+    from miles_core.errors import MilesUserError
+    from miles_core.rollout.sglang.http import request
+
+    backend, *_ = served
+    url = backend.engine_urls()[0]
+    assert request(url + "/get_weight_version") == {"weight_version": str(backend.weight_version)}
+    body = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[32]], "group_name": "nope"}
+    with pytest.raises(MilesUserError, match=r"HTTP 400.*no weight update group 'nope'"):
+        request(url + "/update_weights_from_distributed", body)
+    with pytest.raises(MilesUserError, match=r"HTTP 400.*'master_port' is missing"):
+        request(url + "/init_weights_update_group", {"master_address": "127.0.0.1", "rank_offset": 1, "world_size": 2})
+    with pytest.raises(MilesUserError, match=r"HTTP 400.*has no \*\.safetensors"):
+        request(url + "/update_weights_from_disk", {"model_path": "/nonexistent", "weight_version": "9"})
+    assert backend.engine_versions() == [backend.weight_version]  # nothing changed
