@@ -21,7 +21,8 @@ from miles_core.models.decoder import Decoder, DecoderConfig
 from miles_core.plugins.manager import MilesPlugins
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engine import BuiltinEngine
-from miles_core.rollout.sglang.backend import SglangBackend, parse_output
+from miles_core.rollout.sglang.backend import SglangBackend
+from miles_core.rollout.sglang.protocol import parse_output
 from miles_core.rollout.sglang.config import SglangConfig
 from miles_core.rollout.sglang.launch import server_command
 from miles_core.types import Prompt

@@ -17,6 +17,7 @@ has: in-flight requests come back with their partial tokens and ``finish_reason=
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Mapping
@@ -32,8 +33,9 @@ from miles_core.orchestration.recovery import EngineMonitor
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engine import trim_stop
 from miles_core.rollout.sglang.config import SglangConfig
-from miles_core.rollout.sglang.http import EngineDown, field, healthy, request
+from miles_core.rollout.sglang.http import EngineDown, healthy, request
 from miles_core.rollout.sglang.launch import LaunchedServer, launch, resolve_launcher, wait_healthy
+from miles_core.rollout.sglang.protocol import parse_output, sampling_params
 from miles_core.types import Prompt, Sample
 
 
@@ -47,50 +49,6 @@ class Engine:
 
     def dead(self) -> bool:
         return self.server is not None and not self.server.alive()
-
-
-def sampling_params(p: SamplingParams, n: int) -> dict[str, Any]:
-    """SGLang's ``sampling_params`` for ``p`` (top_k -1 = off)."""
-    sp: dict[str, Any] = {
-        "max_new_tokens": p.max_new_tokens, "temperature": p.temperature, "top_p": p.top_p,
-        "top_k": p.top_k if p.top_k > 0 else -1, "min_p": p.min_p, "ignore_eos": p.ignore_eos, "n": n,
-    }
-    if p.stop:
-        sp["stop"] = list(p.stop)
-    if p.stop_token_ids:
-        sp["stop_token_ids"] = list(p.stop_token_ids)
-    if p.seed is not None:
-        sp["sampling_seed"] = p.seed
-    return sp
-
-
-def parse_output(out: Any, url: str) -> tuple[list[int], list[float], str, int | None]:
-    """One answer of /generate -> (output ids, their logprobs, finish reason, weight version)."""
-    meta = field(out, "meta_info", url, dict)
-    triples = field(meta, "output_token_logprobs", url, list)
-    ids = out.get("output_ids") if isinstance(out, dict) else None
-    try:
-        lps = [float(t[0]) for t in triples]
-        lp_ids = [int(t[1]) for t in triples]
-    except (TypeError, ValueError, IndexError):
-        raise MilesUserError(f"{url}: malformed response, field 'meta_info.output_token_logprobs' must be [logprob, token_id, text] triples") from None
-    if ids is None:
-        ids = lp_ids
-    if not isinstance(ids, list) or list(ids) != lp_ids:
-        raise MilesUserError(f"{url}: malformed response, field 'output_ids' does not match 'meta_info.output_token_logprobs'")
-    fr = meta.get("finish_reason")
-    reason = fr.get("type") if isinstance(fr, dict) else fr
-    if reason not in ("stop", "length", "abort"):
-        raise MilesUserError(f"{url}: malformed response, field 'meta_info.finish_reason' is {fr!r}")
-    version = meta.get("weight_version")
-    if version == "default":  # SGLang's name for the weights it started with
-        version = 0
-    if version is not None:
-        try:
-            version = int(version)
-        except (TypeError, ValueError):
-            raise MilesUserError(f"{url}: malformed response, field 'meta_info.weight_version' is {version!r}, not an integer") from None
-    return list(ids), lps, reason, version
 
 
 class SglangBackend:
@@ -316,20 +274,16 @@ class SglangBackend:
             time.sleep(0.05)
         raise MilesUserError(f"{url}: engine {eng.index} did not come back within {self.cfg.startup_timeout_s + 60:.0f} s")
 
-    class _Tracker:
-        def __init__(self, backend) -> None:
-            self.b = backend
-
-        def __enter__(self):
-            with self.b._inflight_lock:
-                self.b._inflight += 1
-
-        def __exit__(self, *exc):
-            with self.b._inflight_lock:
-                self.b._inflight -= 1
-
+    @contextlib.contextmanager
     def _track(self):
-        return SglangBackend._Tracker(self)
+        """Count a request in flight (abort_all waits for the count to reach zero)."""
+        with self._inflight_lock:
+            self._inflight += 1
+        try:
+            yield
+        finally:
+            with self._inflight_lock:
+                self._inflight -= 1
 
     def abort_all(self, timeout: float = 30.0) -> None:
         """Abort every request of the running ``generate`` (call it from another thread); returns once
