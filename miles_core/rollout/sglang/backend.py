@@ -309,7 +309,7 @@ class SglangBackend:
         if self.monitor is None:
             return {}
         new = self.monitor.pop_new()
-        return {"engine_restarts": float(len(new)), "recovery_s": sum(r.seconds for r in new)}
+        return {"engine_restarts": float(len(new)), "recovery_s": sum((r.seconds for r in new), 0.0)}
 
     def summary(self) -> dict[str, Any]:
         if self.monitor is None:
