@@ -204,3 +204,21 @@ def test_sglang_flags_pass_through():
     miles = server_command("miles", "/m", 1234, args)
     assert miles[miles.index("--max-model-len") + 1] == "512"  # known: mapped to miles serve's name
     assert "--mem-fraction-static" not in miles and "--enable-torch-compile" not in miles  # unknown: dropped with a warning
+
+
+def _one_line_error(proc) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    return lines[0]
+
+
+def test_cli_run_with_a_dead_url_is_one_line(cli, tmp_path):
+    line = _one_line_error(cli("run", "rollout.backend=sglang", "rollout.sglang.urls=[http://127.0.0.1:9]", f"run.output_dir={tmp_path}",
+                               "train.sft_warmup_steps=0", "run.num_rollout=1"))
+    assert "http://127.0.0.1:9" in line and "/health" in line
+
+
+def test_cli_validate_names_a_bad_sglang_key(cli):
+    line = _one_line_error(cli("validate", "rollout.backend=sglang", "rollout.sglang.launcher=docker"))
+    assert "rollout.sglang.launcher" in line
