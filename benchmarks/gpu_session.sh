@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_session.sh nvidia     # miles_nvidia GPU tests + kernel/FP8/batch-invariant benchmarks
 #   bash benchmarks/gpu_session.sh train      # torch + Megatron trainer benchmarks, chunked-logprob memory
 #   bash benchmarks/gpu_session.sh rollout    # built-in engine vs transformers generate
+#   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
 # Logs and JSON go to $OUT (the device tool brings them back).
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -26,5 +27,12 @@ for part in "$@"; do
       python3 benchmarks/train_bench.py --preset qwen3-0.6b --device cuda --steps 5 --warmup 2 --no-memory-table --backend megatron 2>&1 | tee "$OUT/train_bench_megatron.log" | tail -12 ;;
     rollout)
       python3 -m pytest -q tests/rollout/test_gpu_engine.py 2>&1 | tail -5; python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench.log" | tail -25 ;;
+    sync)
+      python3 -m pytest -q -rs tests/sync/test_transports_gpu.py -m gpu 2>&1 | tee "$OUT/sync_tests.log" | tail -8
+      if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+        python3 benchmarks/weight_sync_bench.py --device cuda:0 --engine-device cuda:1 2>&1 | tee "$OUT/weight_sync_bench.log" | tail -12
+      else
+        python3 benchmarks/weight_sync_bench.py --device cuda --dist-backend gloo 2>&1 | tee "$OUT/weight_sync_bench.log" | tail -12
+      fi ;;
   esac
 done

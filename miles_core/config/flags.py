@@ -1,6 +1,7 @@
 """The common slime/Miles command-line flags, mapped onto config keys.
 
 Any config key also works as a flag (``--rollout.top_p 0.9``) or as ``key=value``.
+``--sglang-KEY VALUE`` sets ``rollout.sglang.server_args.KEY`` (options for launched SGLang servers).
 """
 
 SLIME_FLAGS: dict[str, str] = {

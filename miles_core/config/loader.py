@@ -97,7 +97,21 @@ def _apply(obj: Any, data: dict[str, Any], prefix: str, source: str) -> None:
                 raise ConfigError(f"{source}: {exc}") from None
 
 
+SGLANG_FLAG_PREFIX = "--sglang-"
+SERVER_ARGS_KEY = "rollout.sglang.server_args."
+
+
 def _set_dotted(cfg: MilesConfig, key: str, raw: str, source: str) -> None:
+    if key.startswith(SERVER_ARGS_KEY):  # one entry of the mapping, not the whole mapping
+        name = key[len(SERVER_ARGS_KEY):]
+        if not name:
+            raise ConfigError(f"{source}: give the server option's name after {SGLANG_FLAG_PREFIX}")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        cfg.rollout.sglang.server_args[name] = raw if value is None else value
+        return
     parts = key.split(".")
     nested: dict[str, Any] = {}
     cursor = nested
@@ -132,6 +146,12 @@ def parse_cli_args(args: list[str]) -> list[tuple[str, str, str]]:
             flag, eq, value = arg.partition("=")
             if flag in SLIME_FLAGS:
                 key = SLIME_FLAGS[flag]
+            elif flag.startswith(SGLANG_FLAG_PREFIX):  # --sglang-mem-fraction-static 0.7 -> server_args
+                key = SERVER_ARGS_KEY + flag[len(SGLANG_FLAG_PREFIX):].replace("-", "_")
+                if not eq and (i + 1 >= len(args) or args[i + 1].startswith("--") or "." in args[i + 1].partition("=")[0] and "=" in args[i + 1]):
+                    out.append((key, "true", f"option {flag}"))  # a bare switch
+                    i += 1
+                    continue
             elif "." in flag:
                 key = flag[2:].replace("-", "_")
             else:

@@ -36,7 +36,7 @@ def collect(c, backend, next_prompts: Callable[[int], list[Prompt]], params: Sam
     samples = backend.generate(next_prompts(want), params, n=n)
     _score(c, samples)
     if not cfg.algorithm.dynamic_sampling:
-        return samples, {}
+        return samples, _backend_metrics(backend)
     kept: list[list[Sample]] = []
     generated = rounds = 0
     while True:
@@ -62,5 +62,12 @@ def collect(c, backend, next_prompts: Callable[[int], list[Prompt]], params: Sam
         "dynamic_sampling_rounds": float(rounds),
         "dynamic_sampling_kept_groups": float(min(len(kept), want)),
         "dynamic_sampling_generated_groups": float(generated),
+        **_backend_metrics(backend),
     }
     return out, metrics
+
+
+def _backend_metrics(backend) -> dict[str, float]:
+    """What the backend reports about the step (the sglang backend: engine_restarts, recovery_s)."""
+    pop = getattr(backend, "pop_metrics", None)
+    return pop() if pop is not None else {}

@@ -3,6 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from miles_core.errors import ConfigError
+from miles_core.rollout.sglang.config import SglangConfig
 
 
 @dataclass
@@ -16,6 +17,7 @@ class RolloutConfig:
     top_k: int = 0  # 0 disables top-k
     stop: list[str] = field(default_factory=list)  # stop strings, besides the tokenizer's eos
     max_batch_size: int = 512  # sequences the engine decodes at once
+    sglang: SglangConfig = field(default_factory=SglangConfig)  # rollout.backend=sglang
 
     def validate(self) -> None:
         if self.batch_size < 1:
@@ -30,3 +32,4 @@ class RolloutConfig:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"rollout.top_k must be >= 0, got {self.top_k}")
+        self.sglang.validate()

@@ -62,6 +62,7 @@ class BuiltinEngine:
             logprobs_op=op, logprobs_dtype=precision.compute_dtype if exact else None,
         )
         self.model = self.core.model
+        self._abort_requested = False  # set by abort_all() from another thread
 
     @property
     def weight_version(self) -> int:
@@ -88,6 +89,11 @@ class BuiltinEngine:
     def resume_memory(self, tags=("weights", "kv_cache")) -> None:
         self.core.resume_memory(tags)
 
+    def abort_all(self) -> None:
+        """Abort every running request (from another thread): a running ``generate`` returns them
+        with the tokens sampled so far and ``finish_reason="abort"``. Takes effect between engine steps."""
+        self._abort_requested = True
+
     def shutdown(self) -> None:
         for rid in list(self.core.requests):
             self.core.abort(rid)
@@ -101,8 +107,12 @@ class BuiltinEngine:
             ids = p.prompt_ids or tok.encode(p.text)
             groups.append(self.core.add_request(ids, params, n=n))
         mode = self.precision.kernel_mode(self.device) if self.precision is not None else contextlib.nullcontext()
+        self._abort_requested = False
         with mode:
             while self.core.has_unfinished():
+                if self._abort_requested:
+                    for rid in list(self.core.requests):
+                        self.core.abort(rid)
                 self.core.step()
         samples = []
         for gi, (prompt, reqs) in enumerate(zip(prompts, groups)):

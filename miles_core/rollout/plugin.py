@@ -1,6 +1,7 @@
 from miles_core.hookspecs import hookimpl
 from miles_core.plugins.registry import Registry
 from miles_core.rollout.engine import BuiltinEngine
+from miles_core.rollout.sglang.factory import sglang_backend
 
 
 def _builtin(ctx, model):
@@ -15,3 +16,4 @@ def _builtin(ctx, model):
 @hookimpl
 def miles_register_rollout_backends(registry: Registry) -> None:
     registry.add("builtin", _builtin)
+    registry.add("sglang", sglang_backend)

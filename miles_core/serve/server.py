@@ -27,6 +27,7 @@ from miles_core.rollout.engine_core.request import Request
 from miles_core.rollout.engine_core.threaded import ThreadedEngine
 from miles_core.serve import openai
 from miles_core.serve.protocol import BadRequest, GenerateItem, parse_generate, response
+from miles_core.serve.weight_sync import DistributedReceiver
 
 
 class MilesServer:
@@ -36,6 +37,7 @@ class MilesServer:
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.max_request_bytes = max_request_bytes
+        self.receiver = DistributedReceiver()  # /init_weights_update_group, /update_weights_from_distributed
         self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
         self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -244,6 +246,20 @@ def _make_handler(server: MilesServer):
             server.engine.call(lambda core: core.update_weights(state, version))
             self._send(200, {"success": True, "message": f"updated {len(state)} tensors", "weight_version": str(server.engine.core.weight_version)})
 
+        def init_group(self, body):
+            server.receiver.init_group(body)
+            self._send(200, {"success": True, "message": f"joined {body.get('group_name')}"})
+
+        def update_from_distributed(self, body):
+            device = next(server.engine.core.model.parameters()).device
+            state = server.receiver.receive(body, device)
+            version = _version(body)
+            server.engine.call(lambda core: core.update_weights(state, version))
+            self._send(200, {"success": True, "message": f"updated {len(state)} tensors", "weight_version": str(server.engine.core.weight_version)})
+
+        def weight_version(self, body):
+            self._send(200, {"weight_version": str(server.engine.core.weight_version)})
+
         def release(self, body):
             tags = body.get("tags") or ["weights", "kv_cache"]
             server.engine.call(lambda core: core.release_memory(tags))
@@ -268,6 +284,7 @@ def _make_handler(server: MilesServer):
         "/health": Handler.health,
         "/health_generate": Handler.health_generate,
         "/get_model_info": Handler.model_info,
+        "/model_info": Handler.model_info,  # SGLang 0.5.23's name; /get_model_info is deprecated there
         "/generate": Handler.generate,
         "/abort_request": Handler.abort_request,
         "/flush_cache": Handler.flush_cache,
@@ -275,6 +292,9 @@ def _make_handler(server: MilesServer):
         "/continue_generation": Handler.resume,
         "/update_weights_from_disk": Handler.update_from_disk,
         "/update_weights_from_tensor": Handler.update_from_tensor,
+        "/init_weights_update_group": Handler.init_group,
+        "/update_weights_from_distributed": Handler.update_from_distributed,
+        "/get_weight_version": Handler.weight_version,
         "/release_memory_occupation": Handler.release,
         "/resume_memory_occupation": Handler.resume_memory,
         "/v1/completions": Handler.completions,

@@ -1,0 +1,1 @@
+"""The ``sglang`` rollout backend: SGLang-protocol HTTP servers (real SGLang or `miles serve`)."""

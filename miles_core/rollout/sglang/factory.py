@@ -1,0 +1,24 @@
+"""``rollout.backend: sglang``: build the backend from the run (write the initial model for the servers)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from miles_core.rollout.sglang.backend import SglangBackend
+
+
+def sglang_backend(ctx, model):
+    from miles_core.models.checkpoint import save_hf_state
+    from miles_core.orchestration.build import model_source, tokenizer_files
+
+    cfg = ctx.config
+    workdir = Path(ctx.output_dir) / "rollout_engines" if ctx.output_dir else Path(tempfile.mkdtemp(prefix="miles-sglang-"))
+    model_dir = model_source(cfg)
+    if not cfg.rollout.sglang.urls and model_dir is None:  # a model built from the recipe: give the servers a folder
+        family = ctx.plugins.registries.model_families.get(cfg.model.family, key="model.family")
+        model_dir = str(workdir / "initial_model")
+        save_hf_state(model.state_dict(), model.config, family, Path(model_dir), tokenizer_files(ctx.tokenizer))
+    backend = SglangBackend(cfg.rollout.sglang, ctx.tokenizer, model_dir or "", workdir)
+    backend.run_extras = ctx.extras  # shutdown() leaves the run's recovery summary there
+    return backend

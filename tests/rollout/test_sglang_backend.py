@@ -1,0 +1,224 @@
+"""The ``sglang`` rollout backend against two launched `miles serve` subprocesses: groups spread
+over both engines (a group's samples on one), samples identical to the in-process engine's,
+logprobs equal to the model's own, abort_all returning partial samples, a killed engine's
+groups resubmitted, and one clear error for a bad URL, an error answer and a malformed answer."""
+
+import json
+import os
+import signal
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from miles_core.config.loader import load_config
+from miles_core.data.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer
+from miles_core.errors import MilesUserError
+from miles_core.models.checkpoint import save_hf_folder
+from miles_core.models.decoder import Decoder, DecoderConfig
+from miles_core.plugins.manager import MilesPlugins
+from miles_core.rollout.base import SamplingParams
+from miles_core.rollout.engine import BuiltinEngine
+from miles_core.rollout.sglang.backend import SglangBackend
+from miles_core.rollout.sglang.protocol import parse_output
+from miles_core.rollout.sglang.config import SglangConfig
+from miles_core.rollout.sglang.launch import server_command
+from miles_core.types import Prompt
+
+PROMPTS = [Prompt(t, label=i) for i, t in enumerate(("abc?", "dd?", "eab?", "c?", "bbca?"))]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    torch.manual_seed(0)
+    tok = CharTokenizer()
+    model = Decoder(DecoderConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    path = tmp_path_factory.mktemp("sglang") / "tiny"
+    save_hf_folder(model, MilesPlugins(autoload=False).registries.model_families.get("llama"), path, {CHAR_TOKENIZER_FILE: tok.to_json()})
+    return model, tok, path
+
+
+@pytest.fixture(scope="module")
+def backend(tiny, tmp_path_factory):
+    model, tok, path = tiny
+    b = SglangBackend(SglangConfig(num_engines=2), tok, path, tmp_path_factory.mktemp("work"))
+    yield b
+    b.shutdown()
+
+
+def model_logprobs(model, prompt_ids, response_ids) -> torch.Tensor:
+    ids = torch.tensor([prompt_ids + response_ids])
+    with torch.no_grad():
+        logits = model.lm_head(model(ids))[0].float()
+    lp = torch.log_softmax(logits[len(prompt_ids) - 1:-1], -1)
+    return lp.gather(-1, torch.tensor(response_ids)[:, None]).squeeze(-1)
+
+
+def test_greedy_groups_spread_and_match_the_builtin_engine(backend, tiny):
+    model, tok, _ = tiny
+    params = SamplingParams(max_new_tokens=7, temperature=0)
+    got = backend.generate(PROMPTS, params, n=2)
+    ref = BuiltinEngine(model, tok, torch.device("cpu")).generate(PROMPTS, params, n=2)
+    assert [s.response_ids for s in got] == [s.response_ids for s in ref]
+    assert [s.response for s in got] == [s.response for s in ref]
+    assert [(s.group_id, s.index, s.label, s.finish_reason, s.weight_version) for s in got] == \
+        [(s.group_id, s.index, s.label, s.finish_reason, s.weight_version) for s in ref]
+    for a, b in zip(got, ref):
+        assert torch.allclose(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5)
+    engines = {}
+    for s in got:
+        engines.setdefault(s.group_id, set()).add(s.metadata["engine"])
+    assert all(len(e) == 1 for e in engines.values())  # a group stays on one engine
+    assert {e for es in engines.values() for e in es} == {0, 1}  # both engines took groups
+    assert len({s.metadata["sample_id"] for s in got}) == len(got)
+
+
+def test_sampled_logprobs_are_the_models(backend, tiny):
+    model, _, _ = tiny
+    got = backend.generate(PROMPTS[:3], SamplingParams(max_new_tokens=6, temperature=1.0), n=3)
+    assert len(got) == 9 and [s.group_id for s in got] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    for s in got:
+        ref = model_logprobs(model, s.prompt_ids, s.response_ids)
+        assert torch.allclose(torch.tensor(s.rollout_logprobs), ref, atol=1e-4)
+
+
+def test_abort_all_returns_partial_samples(backend):
+    params = SamplingParams(max_new_tokens=3000, temperature=1.0, ignore_eos=True)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(s=backend.generate(PROMPTS[:4], params, n=2)))
+    t.start()
+    time.sleep(1.0)
+    backend.abort_all()
+    t.join(60)
+    samples = result["s"]
+    assert len(samples) == 8
+    assert all(s.finish_reason == "abort" for s in samples)
+    assert all(0 < len(s.response_ids) < 3000 and len(s.rollout_logprobs) == len(s.response_ids) for s in samples)
+    # the next call is not aborted
+    assert all(s.finish_reason == "length" for s in backend.generate(PROMPTS[:2], SamplingParams(max_new_tokens=3, temperature=0)))
+
+
+def test_builtin_engine_abort_all(tiny):
+    model, tok, _ = tiny
+    engine = BuiltinEngine(model, tok, torch.device("cpu"))
+    result = {}
+    t = threading.Thread(target=lambda: result.update(s=engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4000, ignore_eos=True), n=2)))
+    t.start()
+    time.sleep(0.5)
+    engine.abort_all()
+    t.join(60)
+    assert [s.finish_reason for s in result["s"]] == ["abort"] * 4
+    assert all(0 < len(s.response_ids) < 4000 for s in result["s"])
+
+
+def test_killed_engine_groups_are_resubmitted(backend, tiny):
+    model, tok, _ = tiny
+    params = SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)
+    victim = backend.engines[0].server.proc.pid
+    timer = threading.Timer(0.5, lambda: os.kill(victim, signal.SIGKILL))
+    timer.start()
+    got = backend.generate(PROMPTS, params, n=2)
+    timer.join()
+    ref = BuiltinEngine(model, tok, torch.device("cpu")).generate(PROMPTS, params, n=2)
+    assert [s.response_ids for s in got] == [s.response_ids for s in ref]  # every sample, once, complete
+    assert max(s.metadata["attempts"] for s in got) == 2
+    deadline = time.monotonic() + 60
+    while backend.engines[0].server.proc.pid == victim or not backend.engines[0].up.is_set():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    m = backend.pop_metrics()
+    assert m["engine_restarts"] == 1 and 0 < m["recovery_s"] < 60
+
+
+def test_unreachable_url_names_it():
+    with pytest.raises(MilesUserError, match=r"http://127.0.0.1:9/ ?does not answer /health|127.0.0.1:9 does not answer"):
+        SglangBackend(SglangConfig(urls=["http://127.0.0.1:9"]), CharTokenizer(), "", "/tmp")
+
+
+class _Bad(BaseHTTPRequestHandler):
+    """A stand-in for a broken server (what a real one returns on a bug): health OK, garbage on /generate."""
+
+    def log_message(self, *a):
+        pass
+
+    def _reply(self, code, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._reply(200, {"weight_version": "0"} if self.path == "/get_model_info" else "")
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.server.mode == "error":
+            self._reply(500, {"error": {"message": "out of memory"}})
+        else:
+            self._reply(200, {"text": "x", "meta_info": {"finish_reason": {"type": "length"}}})
+
+
+@pytest.mark.parametrize("mode,match", [("error", r"HTTP 500.*out of memory"), ("malformed", r"field 'output_token_logprobs' is missing")])
+def test_bad_server_answers_are_one_clear_error(mode, match):
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Bad)
+    srv.mode = mode
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        b = SglangBackend(SglangConfig(urls=[url]), CharTokenizer(), "", "/tmp")
+        with pytest.raises(MilesUserError, match=match) as exc:
+            b.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
+        assert url in str(exc.value)
+    finally:
+        srv.shutdown()
+
+
+def test_parse_output_checks_fields():
+    good = {"output_ids": [5, 6], "meta_info": {"output_token_logprobs": [[-0.5, 5, None], [-1.0, 6, None]],
+                                                "finish_reason": {"type": "stop", "matched": 2}, "weight_version": "3"}}
+    assert parse_output(good, "u") == ([5, 6], [-0.5, -1.0], "stop", 3)
+    with pytest.raises(MilesUserError, match="u: .*'output_ids' does not match"):
+        parse_output({**good, "output_ids": [5, 7]}, "u")
+    with pytest.raises(MilesUserError, match="finish_reason"):
+        parse_output({**good, "meta_info": {**good["meta_info"], "finish_reason": {"type": "weird"}}}, "u")
+    with pytest.raises(MilesUserError, match="weight_version"):
+        parse_output({**good, "meta_info": {**good["meta_info"], "weight_version": "v3"}}, "u")
+
+
+def test_sglang_flags_pass_through():
+    cfg = load_config(None, ["rollout.backend=sglang", "--sglang-mem-fraction-static", "0.7", "--sglang-enable-torch-compile",
+                             "--sglang-context-length=512", "rollout.sglang.num_engines=2"])
+    args = cfg.rollout.sglang.server_args
+    assert args == {"mem_fraction_static": 0.7, "enable_torch_compile": True, "context_length": 512}
+    assert cfg.rollout.sglang.num_engines == 2
+    sg = server_command("sglang", "/m", 1234, args)
+    assert sg[1:3] == ["-m", "sglang.launch_server"]
+    assert sg[sg.index("--mem-fraction-static") + 1] == "0.7" and "--enable-torch-compile" in sg
+    miles = server_command("miles", "/m", 1234, args)
+    assert miles[miles.index("--max-model-len") + 1] == "512"  # known: mapped to miles serve's name
+    assert "--mem-fraction-static" not in miles and "--enable-torch-compile" not in miles  # unknown: dropped with a warning
+
+
+def _one_line_error(proc) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    return lines[0]
+
+
+def test_cli_run_with_a_dead_url_is_one_line(cli, tmp_path):
+    line = _one_line_error(cli("run", "rollout.backend=sglang", "rollout.sglang.urls=[http://127.0.0.1:9]", f"run.output_dir={tmp_path}",
+                               "train.sft_warmup_steps=0", "run.num_rollout=1"))
+    assert "http://127.0.0.1:9" in line and "/health" in line
+
+
+def test_cli_validate_names_a_bad_sglang_key(cli):
+    line = _one_line_error(cli("validate", "rollout.backend=sglang", "rollout.sglang.launcher=docker"))
+    assert "rollout.sglang.launcher" in line

@@ -1,0 +1,114 @@
+"""Each weight transport against a launched `miles serve` subprocess (and disk also in process):
+the weights arrive (greedy output equals an in-process engine holding the same weights, and no
+longer equals the old weights' output) and the engine reports the pushed version."""
+
+import time
+
+import pytest
+import torch
+from sync_helpers import save, tiny_model
+
+from miles_core.rollout.base import SamplingParams
+from miles_core.rollout.engine import BuiltinEngine
+from miles_core.rollout.sglang.backend import SglangBackend
+from miles_core.rollout.sglang.config import SglangConfig
+from miles_core.sync.disk import DiskTransport
+from miles_core.sync.distributed import DistributedTransport
+from miles_core.sync.tensor import TensorTransport
+from miles_core.types import Prompt
+
+PROMPTS = [Prompt(t) for t in ("abc?", "dd?", "eab?", "c?")]
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0)
+
+
+def greedy_ids(backend) -> list[list[int]]:
+    return [s.response_ids for s in backend.generate(PROMPTS, GREEDY, n=1)]
+
+
+def reference(model, tok) -> list[list[int]]:
+    return greedy_ids(BuiltinEngine(model, tok, torch.device("cpu")))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    model, tok = tiny_model(0)
+    root = tmp_path_factory.mktemp("transports")
+    backend = SglangBackend(SglangConfig(num_engines=1), tok, save(model, tok, root / "initial"), root / "work")
+    yield backend, model, tok, root
+    backend.shutdown()
+
+
+def check_push(backend, transport, seed, tok, old):
+    new, _ = tiny_model(seed)
+    version = backend.weight_version + 1
+    t0 = time.perf_counter()
+    transport.push(new.state_dict(), version, backend)
+    dt = time.perf_counter() - t0
+    assert backend.engine_versions() == [version]
+    got = greedy_ids(backend)
+    assert got == reference(new, tok)
+    assert got != old  # the new weights changed the answers, so the equality above means something
+    samples = backend.generate(PROMPTS[:1], GREEDY)
+    assert samples[0].weight_version == version
+    return got, dt
+
+
+def test_disk_in_process(tmp_path):
+    model, tok = tiny_model(0)
+    engine = BuiltinEngine(model, tok, torch.device("cpu"))
+    old = greedy_ids(engine)
+    new, _ = tiny_model(7)
+    DiskTransport(tmp_path / "w").push(new.state_dict(), 3, engine)
+    assert engine.weight_version == 3
+    assert greedy_ids(engine) == reference(new, tok) != old
+    for v in (4, 5):
+        DiskTransport(tmp_path / "w").push(new.state_dict(), v, engine)
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["v4", "v5"]  # the two newest are kept
+
+
+def test_disk_http(served):
+    backend, model, tok, root = served
+    old = greedy_ids(backend)
+    got, _ = check_push(backend, DiskTransport(root / "weights"), 11, tok, old)
+    assert (root / "weights" / f"v{backend.weight_version}" / "config.json").is_file()  # loadable as a model folder
+
+
+def test_tensor_http_in_buckets(served):
+    backend, model, tok, _ = served
+    old = greedy_ids(backend)
+    check_push(backend, TensorTransport(bucket_bytes=4096), 12, tok, old)  # ~a dozen buckets
+
+
+def test_distributed_gloo_over_loopback(served):
+    backend, model, tok, _ = served
+    old = greedy_ids(backend)
+    transport = DistributedTransport(bucket_bytes=8192, backend="gloo")
+    got, _ = check_push(backend, transport, 13, tok, old)
+    group = transport._name
+    check_push(backend, transport, 14, tok, got)  # the second push reuses the group
+    assert transport._name == group
+
+
+def test_distributed_rejects_builtin_engine():
+    from miles_core.errors import ConfigError
+
+    model, tok = tiny_model(0)
+    with pytest.raises(ConfigError, match="rollout.backend=sglang"):
+        DistributedTransport(1 << 20).push(model.state_dict(), 1, BuiltinEngine(model, tok, torch.device("cpu")))
+
+
+def test_serve_weight_endpoints_reject_bad_requests(served):
+    from miles_core.errors import MilesUserError
+    from miles_core.rollout.sglang.http import request
+
+    backend, *_ = served
+    url = backend.engine_urls()[0]
+    assert request(url + "/get_weight_version") == {"weight_version": str(backend.weight_version)}
+    body = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[32]], "group_name": "nope"}
+    with pytest.raises(MilesUserError, match=r"HTTP 400.*no weight update group 'nope'"):
+        request(url + "/update_weights_from_distributed", body)
+    with pytest.raises(MilesUserError, match=r"HTTP 400.*'master_port' is missing"):
+        request(url + "/init_weights_update_group", {"master_address": "127.0.0.1", "rank_offset": 1, "world_size": 2})
+    with pytest.raises(MilesUserError, match=r"HTTP 400.*has no \*\.safetensors"):
+        request(url + "/update_weights_from_disk", {"model_path": "/nonexistent", "weight_version": "9"})
+    assert backend.engine_versions() == [backend.weight_version]  # nothing changed
