@@ -58,7 +58,12 @@ def engine(args, dev) -> None:
     from train_bench import PRESETS
 
     torch.manual_seed(0)
+    from miles_core.kernels.base import Kernels
+    from miles_core.plugins.manager import MilesPlugins
+
     model = Decoder(DecoderConfig(**PRESETS["qwen3-0.6b"])).to(dev, torch.bfloat16)
+    if not args.reference_kernels:
+        model.use_kernels(Kernels(MilesPlugins(), dev.type))
     cfg = EngineConfig(max_num_seqs=args.batch, max_model_len=args.prompt_len + args.new_tokens + 16, kv_memory_fraction=0.3)
     core = EngineCore(model, cfg)
     prompts = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt_len)).tolist()
@@ -109,6 +114,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--reference-kernels", action="store_true", help="engine: the core's torch ops, not the registry's")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

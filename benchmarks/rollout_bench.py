@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from miles_core.kernels.base import Kernels  # noqa: E402
 from miles_core.models.checkpoint import load_hf_folder  # noqa: E402
 from miles_core.plugins.manager import MilesPlugins  # noqa: E402
 from miles_core.rollout.base import SamplingParams  # noqa: E402
@@ -123,6 +124,8 @@ def main() -> None:
     hf = hf.to(dev).eval()
     model, _ = load_hf_folder(tmp, MilesPlugins().registries.model_families)
     model = model.to(device=dev, dtype=dtype)
+    plugins = MilesPlugins()
+    model.use_kernels(Kernels(plugins, dev.type))  # as BuiltinEngine and miles serve do: the platform's kernels
     cfg = EngineConfig(max_num_seqs=max(batches), max_model_len=a.prompt_len + a.new_tokens + 16, kv_memory_fraction=0.3,
                        max_batched_tokens=16384)
     if args.decode_steps:
@@ -157,7 +160,9 @@ def main() -> None:
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(f"\nrollout benchmark — {args.preset} preset on {device_name}, torch {torch.__version__}, "
           f"{a.family} hidden {a.hidden} x {a.layers} layers, {a.dtype}, prompt {a.prompt_len}, new {a.new_tokens}, greedy")
-    print(f"engine: triton decode {core.runner.use_triton}, cuda graphs {core.runner.use_graphs}, decode steps/sync {cfg.decode_steps}")
+    ops = {name: getattr(fn, "__name__", str(fn)) for name, fn in
+           (("rmsnorm", model.model.norm.op), ("rope", model.model.layers[0].self_attn.rope), ("swiglu", model.model.layers[0].mlp.act))}
+    print(f"engine: triton decode {core.runner.use_triton}, cuda graphs {core.runner.use_graphs}, decode steps/sync {cfg.decode_steps}, kernels {ops}")
     head = f"{'batch':>6} | {'engine tok/s':>12} | {'HF tok/s':>10} | {'speedup':>8} | {'roofline':>8} | identical"
     print(head + "\n" + "-" * len(head))
     for r in rows:

@@ -6,6 +6,12 @@ Llama-style blocks (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU)
 
 Because rollout and training run this same code, on CPU their logprobs agree to rounding; the
 trainer and the engine differ only in how they batch (padding and the KV cache).
+
+RMSNorm, rotary embedding and SwiGLU are the kernel ops "rmsnorm", "rope" and "swiglu": each
+module calls the implementation it holds, the core's torch reference until
+:meth:`Decoder.use_kernels` installs the ones the kernel registry chose for the platform (a
+hardware plugin's fused Triton kernels on GPU). The trainer and the engine both call it, so they
+run the same implementations.
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from miles_core.kernels.rmsnorm import rmsnorm_torch
+from miles_core.kernels.rope import rope_torch
+from miles_core.kernels.swiglu import swiglu_torch
 
 
 @dataclass
@@ -42,19 +52,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.op = rmsnorm_torch  # kernel op "rmsnorm" (see Decoder.use_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.op(x, self.weight, self.eps)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. ``x`` [B, heads, T, D]; ``cos``/``sin`` [B, 1, T, D]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    """Rotate-half RoPE (the reference op). ``x`` [B, heads, T, D]; ``cos``/``sin`` [B, 1, T, D]."""
+    return rope_torch(x, cos, sin)
 
 
 class KVCache:
@@ -86,6 +92,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.rope = rope_torch  # kernel op "rope"
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int) -> torch.Tensor:
         b, t, _ = x.shape
@@ -96,7 +103,7 @@ class Attention(nn.Module):
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (y.transpose(1, 2) for y in (q, k, v))
-        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write(layer, k, v)
         rep = self.cfg.num_heads // self.cfg.num_kv_heads
@@ -118,9 +125,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = swiglu_torch  # kernel op "swiglu": silu(gate) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 class Block(nn.Module):
@@ -155,6 +163,17 @@ class Decoder(nn.Module):
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.dim_head, 2, dtype=torch.float32) / cfg.dim_head))
         self.register_buffer("inv_freq", inv, persistent=False)
         self.apply(self._init)
+
+    def use_kernels(self, kernels) -> Decoder:
+        """Install the kernel registry's "rmsnorm", "rope" and "swiglu" in every module (in place)."""
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.op = kernels["rmsnorm"]
+            elif isinstance(m, Attention):
+                m.rope = kernels["rope"]
+            elif isinstance(m, MLP):
+                m.act = kernels["swiglu"]
+        return self
 
     def _init(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):

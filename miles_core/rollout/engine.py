@@ -46,6 +46,8 @@ class BuiltinEngine:
         model = copy.deepcopy(model).to(device)
         if dtype is not None:
             model = model.to(dtype)
+        if kernels is not None and hasattr(model, "use_kernels"):  # the trainer's rmsnorm/rope/swiglu
+            model.use_kernels(kernels)
         cfg = config or EngineConfig(max_num_seqs=min(max_batch_size, 256))
         if device.type == "cpu" and config is None:
             cfg.decode_steps = 8

@@ -8,6 +8,7 @@ import torch
 
 from miles_core.data.tokenizer import load_tokenizer
 from miles_core.errors import ConfigError
+from miles_core.kernels.base import Kernels
 from miles_core.models.checkpoint import load_hf_folder
 from miles_core.platforms import select_platform
 from miles_core.plugins.manager import MilesPlugins
@@ -64,6 +65,8 @@ def build_server(model: str, host: str = "127.0.0.1", port: int = 30000, device:
     else:
         raise ConfigError(f"--dtype '{dtype}' is not one of auto, {', '.join(_DTYPES)}")
     m = m.to(device=dev, dtype=dt)
+    if hasattr(m, "use_kernels"):  # the platform's rmsnorm/rope/swiglu, as the trainer uses
+        m.use_kernels(Kernels(plugins, _platform.name))
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     core = EngineCore(m, engine or EngineConfig(), eos_token_ids=eos, detokenize=tok.decode, seed=seed)
     return MilesServer(ThreadedEngine(core), tok, model, host, port, max_request_bytes)

@@ -67,6 +67,8 @@ class TorchTrainer:
         self.precision = precision
         t = cfg.train
         self.model = precision.prepare_model(model).to(self.device).train()  # the decoder (HF names)
+        if hasattr(self.model, "use_kernels"):  # the registry's rmsnorm/rope/swiglu, as in the engine
+            self.model.use_kernels(kernels)
         ref = copy.deepcopy(self.model).eval().requires_grad_(False) if cfg.algorithm.kl_coef > 0 else None
         if t.activation_checkpointing:
             checkpoint_blocks(self.model)

@@ -20,7 +20,6 @@ import logging
 import torch
 from torch import nn
 
-from miles_core.models.decoder import rotary
 from miles_core.rollout.engine_core import triton_decode
 import math
 from dataclasses import dataclass
@@ -118,7 +117,9 @@ class ModelRunner:
             v = a.v_proj(h).view(n, -1, d)
             if a.cfg.qk_norm:
                 q, k = a.q_norm(q), a.k_norm(k)
-            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+            # the op is written for [B, heads, T, D]: each new token is a batch row with T = 1
+            cos1, sin1 = cos.unsqueeze(2), sin.unsqueeze(2)
+            q, k = a.rope(q.unsqueeze(2), cos1, sin1).squeeze(2), a.rope(k.unsqueeze(2), cos1, sin1).squeeze(2)
             kc, vc = self.kv[i, 0], self.kv[i, 1]
             kc.index_copy_(0, slots, k.to(kc.dtype))
             vc.index_copy_(0, slots, v.to(vc.dtype))
