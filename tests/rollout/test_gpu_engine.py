@@ -42,12 +42,32 @@ def test_cuda_graphs_match_eager_fp32():
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
 
 
+def _teacher_forced_error(m32, reqs) -> torch.Tensor:
+    """|reported logprob - fp32 full-forward logprob| of every generated token, for these sequences."""
+    errs = []
+    for r in reqs:
+        ids = torch.tensor(r.prompt_ids + r.output_ids, device="cuda")[None]
+        with torch.no_grad():
+            logp = torch.log_softmax(m32.lm_head(m32(ids)).float()[0], -1)
+        n = len(r.prompt_ids)
+        ref = logp[n - 1 : -1].gather(1, ids[0, n:, None]).squeeze(1)
+        errs.append((torch.tensor(r.logprobs, device="cuda") - ref).abs())
+    return torch.cat(errs)
+
+
 def test_triton_decode_matches_torch_bf16():
+    """Greedy bf16 sequences of two kernels diverge at near-tied logits (random weights), so both paths
+    are checked on their own sequences against an fp32 full forward pass of the same weights: the
+    Triton kernel must be as accurate as the torch decode path."""
+    import copy
+
     m = model(torch.bfloat16)
     core, fast = run(m)
     assert core.runner.use_triton, "the Triton kernel failed its self-check"
     _, ref = run(m, cuda_graphs=False, triton_decode=False)
-    same = sum(x == y for a, b in zip(fast, ref) for x, y in zip(a.output_ids, b.output_ids))
-    assert same >= 0.9 * sum(len(a.output_ids) for a in fast)
+    m32 = copy.deepcopy(m).float()
+    err_fast, err_ref = _teacher_forced_error(m32, fast), _teacher_forced_error(m32, ref)
+    assert float(err_fast.mean()) <= 1.5 * float(err_ref.mean()) + 1e-3, (float(err_fast.mean()), float(err_ref.mean()))
+    assert float(err_fast.mean()) < 2e-2 and float(err_fast.max()) < 0.25
     first = torch.tensor([a.logprobs[0] for a in fast]), torch.tensor([b.logprobs[0] for b in ref])
-    assert torch.allclose(*first, atol=5e-2)
+    assert torch.allclose(*first, atol=5e-2)  # the first token comes from the same prefill

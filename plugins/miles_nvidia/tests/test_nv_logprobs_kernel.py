@@ -67,8 +67,14 @@ def test_full_shape_on_gpu():
     hidden, weight, targets = _case(2048, 1024, 151936, torch.bfloat16, "cuda")
     lp, ent = logprobs_triton(hidden, weight, targets)
     rlp, rent = logprobs_torch(hidden, weight, targets)
-    torch.testing.assert_close(lp, rlp, atol=2e-2, rtol=1e-2)
-    torch.testing.assert_close(ent, rent, atol=2e-2, rtol=1e-2)
+    # both run bf16 GEMMs (the torch reference also rounds the logits to bf16): judge each against an
+    # fp32 pass over the same bf16 inputs; the kernel must be at least about as accurate as the reference
+    with torch.no_grad():
+        lp32, ent32 = logprobs_torch(hidden.float(), weight.float(), targets)
+    for got, ref, exact in ((lp, rlp, lp32), (ent, rent, ent32)):
+        e_got, e_ref = (got.float() - exact).abs(), (ref.float() - exact).abs()
+        assert float(e_got.mean()) <= 1.5 * float(e_ref.mean()) + 1e-3, (float(e_got.mean()), float(e_ref.mean()))
+        assert float(e_got.max()) <= 1.5 * float(e_ref.max()) + 1e-2, (float(e_got.max()), float(e_ref.max()))
     gh, gw = torch.autograd.grad(lp.sum() + ent.sum(), (hidden, weight))
     rh, rw = torch.autograd.grad(rlp.sum() + rent.sum(), (hidden, weight))
     assert torch.nn.functional.cosine_similarity(gh.float().flatten(), rh.float().flatten(), dim=0) > 0.999
