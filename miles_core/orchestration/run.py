@@ -59,7 +59,7 @@ def run(cfg: MilesConfig, plugins: MilesPlugins, console: Console | None = None)
         log.close()
         if records:
             plot_curves(records, out / "curves.png", title=f"{cfg.run.name}: {cfg.data.task}")
-    if cfg.run.save:
+    if cfg.run.save and trainer is not None:
         dest = Path(cfg.run.save) / "hf"
         export = getattr(trainer, "export_hf", None)
         if export is not None:
