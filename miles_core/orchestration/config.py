@@ -42,7 +42,8 @@ class OrchestrationConfig:
     """Where the engines and the trainer run, and how rollout and training overlap."""
 
     placement: str = "local"  # local: one process | ray_colocated: engines and trainer share GPUs in turns | ray_disaggregated
-    schedule: str = "sync"  # sync: on-policy | one_step_off: generate step k+1 while training on step k
+    schedule: str = "sync"  # sync: on-policy | one_step_off: generate step k+1 while training on step k | async: partial rollouts
+    max_staleness: int = 1  # async: drop groups whose oldest weights are more than this many versions behind the trainer
     num_engines: int = 1  # rollout engine actors (Ray placements)
     engine_num_cpus: float = 1.0  # per engine actor's placement-group bundle
     engine_num_gpus: float = 0.0
@@ -55,8 +56,12 @@ class OrchestrationConfig:
         placements = ("local", "ray_colocated", "ray_disaggregated")
         if self.placement not in placements:
             raise ConfigError(f"orchestration.placement must be one of {', '.join(placements)}, got '{self.placement}'")
-        if self.schedule not in ("sync", "one_step_off"):
-            raise ConfigError(f"orchestration.schedule must be 'sync' or 'one_step_off', got '{self.schedule}'")
+        if self.schedule not in ("sync", "one_step_off", "async"):
+            raise ConfigError(f"orchestration.schedule must be 'sync', 'one_step_off' or 'async', got '{self.schedule}'")
+        if self.max_staleness < 0:
+            raise ConfigError(f"orchestration.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.schedule == "async" and self.placement != "local":
+            raise ConfigError("orchestration.schedule=async runs in process for now: use orchestration.placement=local")
         if self.num_engines < 1:
             raise ConfigError(f"orchestration.num_engines must be >= 1, got {self.num_engines}")
         if self.placement == "local" and self.num_engines != 1:

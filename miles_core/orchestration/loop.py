@@ -200,12 +200,12 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
 
         r = cfg.rollout
         params = SamplingParams(r.max_response_len, r.temperature, r.top_p, r.top_k, stop=r.stop)
-        source = make_source(c, backend, next_prompts, params, cfg.run.num_rollout)
         if resume is None and backend is not None:
             record = {"phase": "rl", "step": 0, "weight_version": version, **evaluate(c, backend, eval_prompts)}
             history.append(record)
             on_metrics(record)
             first_eval = record["eval_accuracy"]
+        source = make_source(c, backend, next_prompts, params, cfg.run.num_rollout)  # async: generation starts here
         for step in range(start, cfg.run.num_rollout + 1):
             timer = Timer()
             t0 = time.perf_counter()
@@ -220,15 +220,18 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
                 with placement.training():
                     metrics = rl_step(c, trainer, aux, samples, metrics, step, timer)
                 ctx.plugins.after_train_step(ctx, step, metrics)
-                with timer("sync"):
+            with timer("sync"):
+                source.before_sync()  # the engine is idle from here to after_sync
+                if trainer is not None:
                     version += 1
-                    source.before_sync()
                     if backend is not None:
                         c.transport.push(trainer.weights(), version, backend)
+            if trainer is not None:
                 ctx.plugins.after_weight_sync(ctx, version)
             if backend is not None and (step % cfg.run.eval_every == 0 or step == cfg.run.num_rollout):
                 with timer("eval"):
                     metrics.update(evaluate(c, backend, eval_prompts))
+            source.after_sync(version)
             record = {"phase": "rl", "step": step, "weight_version": version, **metrics, **timer.times}
             record["time_step"] = time.perf_counter() - t0
             history.append(record)

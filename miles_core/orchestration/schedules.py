@@ -8,6 +8,7 @@
   behind the trainer (``Sample.weight_version`` says which), so the off-policy corrections
   (TIS, the mismatch metrics) see the real gap. Rollout and training overlap: with equal times a
   step takes about ``max(rollout, train)`` instead of their sum.
+* ``async``: continuous rollout with partial rollouts (:mod:`miles_core.orchestration.async_rollout`).
 * ``LoadedRollouts``: train-only debug mode, steps read from ``--load-rollouts DIR``.
 
 Every source returns ``(samples, metrics)`` with ``time_generate``: the seconds the generation
@@ -44,6 +45,9 @@ class SyncSchedule:
 
     def before_sync(self) -> None:
         """Called before a weight push: the engine must be idle."""
+
+    def after_sync(self, version: int) -> None:
+        """Called after the push (and the eval that may follow it): the engine holds ``version``."""
 
     def close(self) -> None:
         pass
@@ -83,6 +87,9 @@ class LoadedRollouts:
     def before_sync(self) -> None:
         pass
 
+    def after_sync(self, version: int) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -91,5 +98,9 @@ def make_source(c, backend, next_prompts: NextPrompts, params: SamplingParams, l
     run, orch = c.ctx.config.run, c.ctx.config.orchestration
     if run.load_rollouts:
         return LoadedRollouts(run.load_rollouts)
+    if orch.schedule == "async":
+        from miles_core.orchestration.async_rollout import AsyncSchedule
+
+        return AsyncSchedule(c, backend, next_prompts, params, last_step)
     cls = OneStepOffSchedule if orch.schedule == "one_step_off" else SyncSchedule
     return cls(c, backend, next_prompts, params, last_step)

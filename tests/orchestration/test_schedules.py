@@ -127,3 +127,35 @@ def test_resume_continues_the_newest_checkpoint(tmp_path):
     summary, records = _run(cfg)
     assert cfg.run.load == str(save)
     assert [r["step"] for r in records] == [3] and summary["weight_version"] == 3
+
+
+class Partials:
+    @hookimpl
+    def miles_after_rollout(self, ctx, step, samples):
+        self.steps = getattr(self, "steps", {})
+        self.steps[step] = [(s.weight_version, s.metadata["weight_versions"], s.metadata["resumed_at"], len(s.response_ids), s.finish_reason) for s in samples]
+
+
+def test_async_partial_rollouts_are_continued_within_the_staleness_bound(tmp_path):
+    cfg = tiny_config(
+        tmp_path, "run.num_rollout=4", "orchestration.schedule=async", "orchestration.max_staleness=1",
+        "orchestration.deterministic=true", "rollout.max_response_len=24", "rollout.temperature=1.0",
+    )
+    rec = Partials()
+    summary, records = _run(cfg, rec)
+    assert summary["status"] == "completed" and summary["weight_version"] == 4
+    assert all(r["loss"] == r["loss"] for r in records)
+    resumed = 0
+    for step, rows in rec.steps.items():
+        trainer_version = step - 1
+        assert len(rows) == 8
+        for oldest, versions, resumed_at, length, reason in rows:
+            assert trainer_version - oldest <= 1  # the staleness bound
+            assert oldest == versions[0] and versions == sorted(versions)
+            assert len(versions) == len(resumed_at) + 1 and reason in ("stop", "length")
+            # a continuation resumes where the sample stopped: increasing lengths, within the budget
+            assert resumed_at == sorted(resumed_at) and all(0 < a <= length for a in resumed_at) and length <= 24, (versions, resumed_at, length, reason)
+            if resumed_at:  # the part before the cut was sampled with older weights than the part after
+                assert all(a < b for a, b in zip(versions, versions[1:]))
+            resumed += bool(resumed_at)
+    assert resumed > 0  # some samples were cut by a weight update and continued with newer weights
