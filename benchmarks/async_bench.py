@@ -1,4 +1,4 @@
-"""One-step-off vs synchronous schedule: time per RL step when rollout and training take similar time.
+"""One-step-off (and, in local placement, async) vs synchronous schedule: time per RL step when rollout and training take similar time.
 
     python benchmarks/async_bench.py [--placement ray_disaggregated|local] [--steps 6] [key=value ...]
 
@@ -49,7 +49,8 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     out_dir = Path(tempfile.mkdtemp(prefix="miles-async-bench-"))
-    rows = [measure(s, args.placement, args.steps, args.overrides, out_dir) for s in ("sync", "one_step_off")]
+    schedules = ("sync", "one_step_off") + (("async",) if args.placement == "local" else ())
+    rows = [measure(s, args.placement, args.steps, args.overrides, out_dir) for s in schedules]
     base = rows[0]["time_step"]
     print(f"placement {args.placement}, steps 2..{args.steps} (mean seconds)")
     print(f"{'schedule':<14}{'step':>8}{'generate':>10}{'train':>8}{'wait':>8}{'sync':>8}{'speedup':>9}")
