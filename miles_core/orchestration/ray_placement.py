@@ -59,6 +59,10 @@ class EngineWorker:
     def resume_memory(self) -> None:
         self.engine.resume_memory()
 
+    def released(self) -> list[str]:
+        """What the engine has given back (built-in engine: 'kv_cache', 'weights')."""
+        return sorted(getattr(getattr(self.engine, "core", None), "released", ()))
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

@@ -8,6 +8,7 @@ import pytest
 
 from miles_core.orchestration.build import build
 from miles_core.orchestration.loop import run_loop
+from miles_core.orchestration.placement import make_placement
 from miles_core.plugins.manager import MilesPlugins
 from miles_core.testing.contracts import tiny_config
 
@@ -51,3 +52,16 @@ def test_ray_colocated_releases_and_reloads_the_engine(tmp_path, ray_cluster):
     colocated = _metrics(tmp_path, "orchestration.placement=ray_colocated")
     assert [r["loss"] for r in colocated] == [r["loss"] for r in local]
     assert [r["weight_version"] for r in colocated] == [1, 2, 3]
+
+
+def test_colocated_engines_hold_no_memory_while_the_trainer_works(tmp_path, ray_cluster):
+    cfg = tiny_config(tmp_path, "orchestration.placement=ray_colocated", "orchestration.num_engines=2")
+    placement = make_placement(build(cfg, MilesPlugins(autoload=False), None))
+    try:
+        released = lambda: ray.get([e.released.remote() for e in placement.backend.engines])  # noqa: E731
+        assert released() == [[], []]
+        with placement.training():
+            assert released() == [["kv_cache", "weights"]] * 2
+        assert released() == [[], []]
+    finally:
+        placement.close()
