@@ -35,7 +35,7 @@ class Versions:
 def _run(cfg, *plugins):
     records = []
     pm = MilesPlugins(autoload=False, extra_plugins=[(f"p{i}", p) for i, p in enumerate(plugins)])
-    summary, _ = run_loop(build(cfg, pm, cfg.run.output_dir and None), records.append)
+    summary, _ = run_loop(build(cfg, pm, None), records.append)
     return summary, [r for r in records if r.get("phase") == "rl" and r["step"] > 0]
 
 
