@@ -24,4 +24,11 @@ SLIME_FLAGS: dict[str, str] = {
     "--seed": "run.seed",
     "--micro-batch-size": "train.micro_batch_size",
     "--custom-rm-path": "reward.name",
+    "--save-rollouts": "run.save_rollouts",
+    "--load-rollouts": "run.load_rollouts",
+}
+
+# flags that take no value: present means true
+SWITCH_FLAGS: dict[str, str] = {
+    "--resume": "run.resume",
 }

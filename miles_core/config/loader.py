@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from miles_core.config.flags import SLIME_FLAGS
+from miles_core.config.flags import SLIME_FLAGS, SWITCH_FLAGS
 from miles_core.config.schema import MilesConfig
 from miles_core.errors import ConfigError, did_you_mean
 
@@ -144,7 +144,13 @@ def parse_cli_args(args: list[str]) -> list[tuple[str, str, str]]:
         arg = args[i]
         if arg.startswith("--"):
             flag, eq, value = arg.partition("=")
-            if flag in SLIME_FLAGS:
+            if flag in SWITCH_FLAGS and not eq:
+                out.append((SWITCH_FLAGS[flag], "true", f"option {flag}"))
+                i += 1
+                continue
+            if flag in SWITCH_FLAGS:
+                key = SWITCH_FLAGS[flag]
+            elif flag in SLIME_FLAGS:
                 key = SLIME_FLAGS[flag]
             elif flag.startswith(SGLANG_FLAG_PREFIX):  # --sglang-mem-fraction-static 0.7 -> server_args
                 key = SERVER_ARGS_KEY + flag[len(SGLANG_FLAG_PREFIX):].replace("-", "_")
@@ -155,7 +161,7 @@ def parse_cli_args(args: list[str]) -> list[tuple[str, str, str]]:
             elif "." in flag:
                 key = flag[2:].replace("-", "_")
             else:
-                raise ConfigError(f"unknown option '{flag}'{did_you_mean(flag, list(SLIME_FLAGS) + ['--' + k for k in _all_keys()])}")
+                raise ConfigError(f"unknown option '{flag}'{did_you_mean(flag, list(SLIME_FLAGS) + list(SWITCH_FLAGS) + ['--' + k for k in _all_keys()])}")
             if not eq:
                 if i + 1 >= len(args):
                     raise ConfigError(f"option '{flag}' needs a value")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from miles_core.algorithms.config import AlgorithmConfig
 from miles_core.data.config import DataConfig
 from miles_core.models.config import ModelConfig
-from miles_core.orchestration.config import RunConfig
+from miles_core.orchestration.config import OrchestrationConfig, RunConfig
 from miles_core.rewards.config import RewardConfig
 from miles_core.rollout.config import RolloutConfig
 from miles_core.sync.config import SyncConfig
@@ -24,6 +24,7 @@ class MilesConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    orchestration: OrchestrationConfig = field(default_factory=OrchestrationConfig)
 
     def validate(self) -> None:
         for f in fields(self):

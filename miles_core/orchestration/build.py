@@ -87,8 +87,18 @@ def resolve_reward(cfg: MilesConfig, plugins: MilesPlugins, task: Task) -> tuple
     return check_reward_fn(plugins.registries.rewards.get(name, key="reward.name"), name), name
 
 
+def apply_resume(cfg: MilesConfig) -> None:
+    """``--resume``: continue from the newest checkpoint in run.save (run.load resumes a --save folder)."""
+    if not cfg.run.resume:
+        return
+    if find_checkpoint(cfg.run.save) is None:
+        raise ConfigError(f"--resume: '{cfg.run.save}' holds no checkpoint (no 'latest' file); run without --resume to start fresh")
+    cfg.run.load = cfg.run.save
+
+
 def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> Components:
     regs = plugins.registries
+    apply_resume(cfg)
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
     if cfg.run.num_threads > 0:

@@ -1,4 +1,9 @@
-"""The synchronous, on-policy RL loop: rollout -> reward -> advantage -> train -> weight sync."""
+"""The RL loop: rollout -> reward -> advantage -> train -> weight sync.
+
+Where the samples come from (synchronous or one-step-off generation, or saved rollouts) is the
+schedule's business (:mod:`miles_core.orchestration.schedules`); where the trainer and engines
+run is the placement's (:mod:`miles_core.orchestration.placement`).
+"""
 
 from __future__ import annotations
 
@@ -17,7 +22,10 @@ from miles_core.algorithms.stats import advantage_metrics
 from miles_core.orchestration.aux_models import AuxModels, build_aux_models
 from miles_core.orchestration.build import Components, tokenizer_files
 from miles_core.orchestration.checkpoint import LoopState, find_checkpoint, load_checkpoint, save_checkpoint
-from miles_core.orchestration.collect import collect
+from miles_core.orchestration.placement import make_placement
+from miles_core.orchestration.rollout_io import save_rollouts
+from miles_core.orchestration.schedules import make_source
+from miles_core.orchestration.seeds import SEED_KEY, prompt_seed
 from miles_core.orchestration.sft_loop import run_sft
 from miles_core.rewards.runner import score_samples
 from miles_core.rollout.base import SamplingParams
@@ -70,17 +78,14 @@ def evaluate(c: Components, backend, prompts: list[Prompt]) -> dict[str, float]:
     return {"eval_accuracy": sum(correct) / len(correct), "eval_reward": sum(rewards) / len(rewards)}
 
 
-def rl_step(c: Components, backend, trainer, aux: AuxModels, next_prompts, step: int, timer: Timer) -> tuple[list[Sample], dict[str, Any]]:
+def rl_step(c: Components, trainer, aux: AuxModels, samples: list[Sample], metrics: dict[str, Any], step: int, timer: Timer) -> dict[str, Any]:
+    """Train on one step's scored samples (from the rollout schedule or saved rollouts)."""
     cfg = c.ctx.config
     tok = c.ctx.tokenizer
-    r, algo = cfg.rollout, cfg.algorithm
-    params = SamplingParams(r.max_response_len, r.temperature, r.top_p, r.top_k, stop=r.stop)
-    with timer("rollout"):
-        samples, metrics = collect(c, backend, next_prompts, params)
+    algo = cfg.algorithm
     rewards = [s.reward for s in samples]
-    c.ctx.plugins.after_rollout(c.ctx, step, samples)
     if not samples:  # dynamic sampling found no informative group: nothing to train on
-        return samples, {**metrics, "reward_mean": float("nan"), "skipped": 1.0}
+        return {**metrics, "reward_mean": float("nan"), "skipped": 1.0}
     batch = make_train_batch(samples, tok.pad_token_id)
     with timer("logprobs"):
         batch.old_logprobs = trainer.compute_logprobs(batch)
@@ -119,9 +124,21 @@ def rl_step(c: Components, backend, trainer, aux: AuxModels, next_prompts, step:
         train_accuracy=sum(c.task.score(s.response, s.label) >= 1.0 for s in samples) / len(samples),
         response_len=n_tokens / len(samples),
         mismatch_abs=float(((batch.rollout_logprobs - batch.old_logprobs).abs() * mask).sum() / max(n_tokens, 1)),
-        rollout_tok_s=n_tokens / max(timer.times["time_rollout"], 1e-9),
+        rollout_tok_s=n_tokens / max(metrics.get("time_generate", 0.0), 1e-9),
     )
-    return samples, metrics
+    return metrics
+
+
+def rollout_metrics(c: Components, samples: list[Sample], metrics: dict[str, Any]) -> dict[str, Any]:
+    """run.mode=rollout: what the samples say, without training."""
+    if not samples:
+        return {**metrics, "reward_mean": float("nan")}
+    return {
+        **metrics,
+        "reward_mean": sum(s.reward for s in samples) / len(samples),
+        "train_accuracy": sum(c.task.score(s.response, s.label) >= 1.0 for s in samples) / len(samples),
+        "response_len": sum(len(s.response_ids) for s in samples) / len(samples),
+    }
 
 
 def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
@@ -129,8 +146,8 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
 
     Returns the summary and the trainer (which holds the final weights)."""
     ctx, cfg = c.ctx, c.ctx.config
-    trainer = c.trainer_factory(ctx, c.model)
-    backend = c.backend_factory(ctx, c.model)
+    placement = make_placement(c)
+    trainer, backend = placement.trainer, placement.backend
     tok = ctx.tokenizer
     stream = c.task.train_prompts(random.Random(cfg.run.seed))
     eval_prompts = _tokenize(c.task.eval_prompts(), tok)
@@ -138,8 +155,9 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
     ctx.plugins.run_start(ctx)
     summary: dict[str, Any] = {"status": "failed"}
     history: list[dict[str, Any]] = []
-    resume = find_checkpoint(cfg.run.load)
+    resume = find_checkpoint(cfg.run.load) if trainer is not None else None
     consumed, start, first_eval = 0, 1, None
+    source = None
     try:
         if cfg.run.mode == "sft":
             refs = _reference_samples(eval_prompts, c.task, tok)
@@ -151,8 +169,9 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             consumed, start, version, first_eval = state.prompts_consumed, state.step + 1, state.version, state.eval_accuracy_first
             for _ in range(consumed):
                 next(stream)
-            c.transport.push(trainer.weights(), version, backend)
-        for w in range(t.sft_warmup_steps if resume is None else 0):
+            if backend is not None:
+                c.transport.push(trainer.weights(), version, backend)
+        for w in range(t.sft_warmup_steps if resume is None and trainer is not None else 0):
             timer = Timer()
             prompts = _tokenize(list(itertools.islice(stream, t.sft_batch_size)), tok)
             consumed += len(prompts)
@@ -160,44 +179,64 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             with timer("train"):
                 m = trainer.train_step(batch, c.sft_loss, temperature=1.0, lr=t.sft_lr or t.lr)
             on_metrics({"phase": "sft", "step": w + 1, **m, **timer.times})
-        if t.sft_warmup_steps and resume is None:
+        if t.sft_warmup_steps and resume is None and trainer is not None:
             version += 1
-            c.transport.push(trainer.weights(), version, backend)
+            if backend is not None:
+                c.transport.push(trainer.weights(), version, backend)
             ctx.plugins.after_weight_sync(ctx, version)
-        if resume is None:
+        if resume is None and trainer is not None:
             trainer.reset_reference()  # the KL reference is the policy as RL starts (after warm-up)
-        aux = build_aux_models(c, trainer)
+        aux = build_aux_models(c, trainer) if trainer is not None else AuxModels()
 
-        def next_prompts(n: int) -> list[Prompt]:
+        def next_prompts(n: int, step: int) -> list[Prompt]:
             nonlocal consumed
             prompts = _tokenize(list(itertools.islice(stream, n)), tok)
-            consumed += len(prompts)
-            for p in prompts:
+            for i, p in enumerate(prompts):
                 p.metadata.setdefault("step", step)
+                if cfg.orchestration.deterministic:
+                    p.metadata[SEED_KEY] = prompt_seed(cfg.run.seed, step, consumed + i)
+            consumed += len(prompts)
             return prompts
 
-        if resume is None:
+        r = cfg.rollout
+        params = SamplingParams(r.max_response_len, r.temperature, r.top_p, r.top_k, stop=r.stop)
+        if resume is None and backend is not None:
             record = {"phase": "rl", "step": 0, "weight_version": version, **evaluate(c, backend, eval_prompts)}
             history.append(record)
             on_metrics(record)
             first_eval = record["eval_accuracy"]
+        source = make_source(c, backend, next_prompts, params, cfg.run.num_rollout)  # async: generation starts here
         for step in range(start, cfg.run.num_rollout + 1):
             timer = Timer()
             t0 = time.perf_counter()
-            samples, metrics = rl_step(c, backend, trainer, aux, next_prompts, step, timer)
-            ctx.plugins.after_train_step(ctx, step, metrics)
+            with timer("rollout"):
+                samples, metrics = source.get(step)
+            if cfg.run.save_rollouts or cfg.run.mode == "rollout":
+                save_rollouts(cfg.run.save_rollouts or ctx.output_dir / "rollouts", step, samples)
+            ctx.plugins.after_rollout(ctx, step, samples)
+            if trainer is None:  # run.mode=rollout
+                metrics = rollout_metrics(c, samples, metrics)
+            else:
+                with placement.training():
+                    metrics = rl_step(c, trainer, aux, samples, metrics, step, timer)
+                ctx.plugins.after_train_step(ctx, step, metrics)
             with timer("sync"):
-                version += 1
-                c.transport.push(trainer.weights(), version, backend)
-            ctx.plugins.after_weight_sync(ctx, version)
-            if step % cfg.run.eval_every == 0 or step == cfg.run.num_rollout:
+                source.before_sync()  # the engine is idle from here to after_sync
+                if trainer is not None:
+                    version += 1
+                    if backend is not None:
+                        c.transport.push(trainer.weights(), version, backend)
+            if trainer is not None:
+                ctx.plugins.after_weight_sync(ctx, version)
+            if backend is not None and (step % cfg.run.eval_every == 0 or step == cfg.run.num_rollout):
                 with timer("eval"):
                     metrics.update(evaluate(c, backend, eval_prompts))
+            source.after_sync(version)
             record = {"phase": "rl", "step": step, "weight_version": version, **metrics, **timer.times}
             record["time_step"] = time.perf_counter() - t0
             history.append(record)
             on_metrics(record)
-            if cfg.run.save and ((cfg.run.save_interval and step % cfg.run.save_interval == 0) or step == cfg.run.num_rollout):
+            if trainer is not None and cfg.run.save and ((cfg.run.save_interval and step % cfg.run.save_interval == 0) or step == cfg.run.num_rollout):
                 state = LoopState(step, version, consumed, first_eval)
                 save_checkpoint(Path(cfg.run.save), state, trainer, backend, c.family, tokenizer_files(tok))
         evals = [h for h in history if "eval_accuracy" in h]
@@ -207,12 +246,14 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             "weight_version": version,
             "eval_accuracy_first": first_eval,
             "eval_accuracy_last": evals[-1]["eval_accuracy"] if evals else first_eval,
-            "eval_accuracy_gain": (evals[-1]["eval_accuracy"] if evals else first_eval) - first_eval,
+            "eval_accuracy_gain": None if first_eval is None else (evals[-1]["eval_accuracy"] if evals else first_eval) - first_eval,
         }
         return summary, trainer
     except KeyboardInterrupt:
         summary = {"status": "interrupted"}
         raise
     finally:
+        if source is not None:
+            source.close()
         ctx.plugins.run_end(ctx, summary)
-        backend.shutdown()
+        placement.close()

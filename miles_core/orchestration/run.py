@@ -60,7 +60,7 @@ def run(cfg: MilesConfig, plugins: MilesPlugins, console: Console | None = None)
         if records:
             plot_curves(records, out / "curves.png", title=f"{cfg.run.name}: {cfg.data.task}")
     summary.update(c.ctx.extras.get("summary", {}))  # what components report about the run (engine restarts...)
-    if cfg.run.save:
+    if cfg.run.save and trainer is not None:
         dest = Path(cfg.run.save) / "hf"
         export = getattr(trainer, "export_hf", None)
         if export is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -107,7 +108,8 @@ class BuiltinEngine:
         groups: list[list[Request]] = []
         for p in prompts:
             ids = p.prompt_ids or tok.encode(p.text)
-            groups.append(self.core.add_request(ids, params, n=n))
+            seed = p.metadata.get("sampling_seed")  # deterministic mode (miles_core.orchestration.seeds)
+            groups.append(self.core.add_request(ids, params if seed is None else dataclasses.replace(params, seed=seed), n=n))
         mode = self.precision.kernel_mode(self.device) if self.precision is not None else contextlib.nullcontext()
         self._abort_requested = False
         with mode:

@@ -1,0 +1,183 @@
+"""The ``async`` schedule: rollout runs continuously in a background thread, with partial rollouts.
+
+The thread keeps up to ``2 * rollout.batch_size`` groups in flight or finished-and-waiting, and
+steps the built-in engine's core without pause. A finished group is scored and queued;
+``get(step)`` takes ``rollout.batch_size`` groups from the queue.
+
+At a weight update (``before_sync``) the thread aborts every running request at the next step
+boundary, keeping what each has generated (tokens and per-token logprobs), and waits. The loop
+pushes the new weights (and may evaluate); ``after_sync`` lets the thread resubmit each unfinished
+sample as a new request: the prompt plus its partial response as the prompt, the remaining token
+budget, and a seed derived from the sample's seed and its length. The sample keeps one list of
+response tokens and logprobs across segments; ``metadata["weight_versions"]`` lists the version of
+each segment and ``metadata["resumed_at"]`` the response length at each continuation.
+``Sample.weight_version`` is the oldest segment's version.
+
+Staleness: a group whose oldest version is more than ``orchestration.max_staleness`` behind the
+trainer when ``get`` takes it is dropped (``async_dropped_groups``) and new prompts replace it.
+
+Departures: a stop string that spans a continuation boundary is not detected (stop tokens are);
+dynamic sampling is not supported with this schedule. Local placement with the built-in engine only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from miles_core.errors import ConfigError
+from miles_core.orchestration.collect import _score
+from miles_core.orchestration.seeds import SEED_KEY, prompt_seed
+from miles_core.rollout.base import SamplingParams
+from miles_core.types import Prompt, Sample
+
+
+@dataclass
+class _Partial:
+    prompt: Prompt
+    seed: int | None
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    resumed_at: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    request_id: str | None = None
+    cut: bool = False  # aborted with new tokens: its continuation opens a new segment
+
+
+class AsyncSchedule:
+    def __init__(self, c, backend, next_prompts, params: SamplingParams, last_step: int) -> None:
+        cfg = c.ctx.config
+        core = getattr(backend, "core", None)
+        if core is None:
+            raise ConfigError("orchestration.schedule=async drives the built-in engine in process: use rollout.backend=builtin, placement=local")
+        if cfg.algorithm.dynamic_sampling:
+            raise ConfigError("orchestration.schedule=async does not support algorithm.dynamic_sampling yet")
+        self.c, self.backend, self.core, self.next_prompts, self.params = c, backend, core, next_prompts, params
+        self.want, self.n = cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt
+        self.max_staleness = cfg.orchestration.max_staleness
+        self.version = backend.weight_version
+        self.done: queue.Queue[list[_Partial]] = queue.Queue()
+        self.groups: list[list[_Partial]] = []  # in flight
+        self.by_request: dict[str, tuple[list[_Partial], _Partial]] = {}
+        self._pause, self._paused, self._resume, self._stop = (threading.Event() for _ in range(4))
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="miles-async-rollout", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the rollout thread
+    def _submit(self, group: list[_Partial], part: _Partial) -> None:
+        tok = self.c.ctx.tokenizer
+        ids = (part.prompt.prompt_ids or tok.encode(part.prompt.text)) + part.response_ids
+        seed = None if part.seed is None else prompt_seed(part.seed, len(part.response_ids), 0)
+        params = dataclasses.replace(self.params, seed=seed, max_new_tokens=self.params.max_new_tokens - len(part.response_ids))
+        (req,) = self.core.add_request(ids, params)
+        part.request_id = req.request_id
+        self.by_request[req.request_id] = (group, part)
+
+    def _top_up(self) -> None:
+        while len(self.groups) + self.done.qsize() < 2 * self.want:
+            (prompt,) = self.next_prompts(1, self.version + 1)
+            seed = prompt.metadata.get(SEED_KEY)
+            group = [_Partial(prompt, None if seed is None else seed + i) for i in range(self.n)]
+            self.groups.append(group)
+            for part in group:
+                self._submit(group, part)
+
+    def _collect(self, outputs) -> None:
+        for out in outputs:
+            if not out.finished or out.request_id not in self.by_request:
+                continue
+            group, part = self.by_request.pop(out.request_id)
+            req = out.request
+            part.response_ids += req.output_ids
+            part.logprobs += req.logprobs
+            if req.output_ids:  # a request aborted before its first token adds no segment
+                part.versions.append(req.weight_version)
+                part.cut = req.finish_reason == "abort"
+            part.finish_reason = req.finish_reason
+            if all(p.finish_reason not in (None, "abort") for p in group):
+                self.groups.remove(group)
+                self.done.put(group)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self._pause.is_set():
+                    for rid in list(self.by_request):
+                        self.core.abort(rid)
+                    self._collect(self.core.step())  # the aborted requests, with their partial outputs
+                    self._paused.set()
+                    self._resume.wait()
+                    self._resume.clear()
+                    for group in self.groups:
+                        for part in group:
+                            if part.finish_reason == "abort":
+                                if part.cut:
+                                    part.resumed_at.append(len(part.response_ids))
+                                part.finish_reason, part.cut = None, False
+                                self._submit(group, part)
+                    continue
+                self._top_up()
+                if self.core.has_unfinished():
+                    self._collect(self.core.step())
+                else:
+                    time.sleep(0.001)
+        except BaseException as exc:  # surfaced by get()
+            self._error = exc
+            self._paused.set()
+
+    # ------------------------------------------------------------------ the loop's side
+    def _sample(self, part: _Partial, gi: int, index: int) -> Sample:
+        tok, p = self.c.ctx.tokenizer, part.prompt
+        stop_ids = set(self.params.stop_token_ids) | ({tok.eos_token_id} if getattr(tok, "eos_token_id", None) is not None else set())
+        text = tok.decode([t for t in part.response_ids if t not in stop_ids])
+        meta = {**p.metadata, "weight_versions": list(part.versions), "resumed_at": list(part.resumed_at)}
+        return Sample(p.text, list(p.prompt_ids), list(part.response_ids), text, list(part.logprobs), p.label, gi, index,
+                      part.finish_reason, min(part.versions), metadata=meta)
+
+    def get(self, step: int):
+        t0 = time.perf_counter()
+        kept: list[list[Sample]] = []
+        dropped = 0
+        while len(kept) < self.want:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                try:
+                    group = self.done.get(timeout=0.05)
+                    break
+                except queue.Empty:
+                    continue
+            samples = [self._sample(p, len(kept), len(kept) * self.n + i) for i, p in enumerate(group)]
+            if self.version - min(s.weight_version for s in samples) > self.max_staleness:
+                dropped += 1
+                continue
+            _score(self.c, samples)
+            kept.append(samples)
+        out = [s for g in kept for s in g]
+        resumed = sum(bool(s.metadata["resumed_at"]) for s in out)
+        return out, {"time_generate": time.perf_counter() - t0, "async_dropped_groups": float(dropped), "async_resumed_samples": float(resumed)}
+
+    def before_sync(self) -> None:
+        self._pause.set()
+        self._paused.wait()
+        if self._error is not None:
+            raise self._error
+
+    def after_sync(self, version: int) -> None:
+        self.version = version
+        self._pause.clear()
+        self._paused.clear()
+        self._resume.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._resume.set()
+        self._thread.join(timeout=30)
+        for rid in list(self.by_request):
+            self.core.abort(rid)
+        self.core.step()

@@ -1,0 +1,211 @@
+"""Engines and the trainer as Ray actors in one placement group, behind the loop's usual interfaces.
+
+* :class:`EngineWorker` / :class:`TrainerWorker` run inside the actors: each builds its own
+  plugin manager and :class:`RunContext` from the pickled config and model, then the registered
+  backend (``rollout.backend``) or trainer (``train.backend``), exactly as local mode does.
+* :class:`RayBackend` spreads a ``generate`` call over the engines: the prompts are cut into
+  contiguous chunks, one per engine (a prompt's group of ``n`` stays on one engine), and the
+  results are put back in prompt order with batch-wide group ids and indices.
+* :class:`RayTrainer` forwards the trainer calls. ``weights()`` returns a Ray object reference:
+  the trainer actor puts its state dict in the object store once, and every engine actor gets it
+  from there (``RayBackend.update_weights``), tagged with the version.
+
+Bundles: disaggregated, one per engine (``engine_num_cpus``/``engine_num_gpus``) and one for the
+trainer; colocated, one bundle holding all of them, its GPUs shared (each actor asks for an equal
+fraction), the engines releasing memory while the trainer works (:class:`Placement`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from miles_core.errors import ConfigError
+
+
+def _actor_context(cfg, blocked, tokenizer, num_threads: int):
+    from miles_core.context import RunContext
+    from miles_core.kernels.base import Kernels
+    from miles_core.platforms import select_platform
+    from miles_core.plugins.manager import MilesPlugins
+
+    torch.set_num_threads(num_threads)
+    torch.manual_seed(cfg.run.seed)
+    plugins = MilesPlugins(blocked=blocked)
+    platform, device = select_platform(plugins.registries.platforms, cfg.run.device)
+    return RunContext(cfg, plugins, tokenizer, device, platform.name, Kernels(plugins, platform.name), None)
+
+
+class EngineWorker:
+    def __init__(self, cfg, blocked, tokenizer, model, num_threads: int) -> None:
+        ctx = _actor_context(cfg, blocked, tokenizer, num_threads)
+        factory = ctx.plugins.registries.rollout_backends.get(cfg.rollout.backend, key="rollout.backend")
+        self.engine = factory(ctx, model)
+
+    def generate(self, prompts, params, n):
+        return self.engine.generate(prompts, params, n)
+
+    def update_weights(self, state_dict, version: int) -> int:
+        self.engine.update_weights(state_dict, version)
+        return self.engine.weight_version
+
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+
+    def resume_memory(self) -> None:
+        self.engine.resume_memory()
+
+    def released(self) -> list[str]:
+        """What the engine has given back (built-in engine: 'kv_cache', 'weights')."""
+        return sorted(getattr(getattr(self.engine, "core", None), "released", ()))
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+class TrainerWorker:
+    def __init__(self, cfg, blocked, tokenizer, model, num_threads: int) -> None:
+        ctx = _actor_context(cfg, blocked, tokenizer, num_threads)
+        self.trainer = ctx.plugins.registries.trainers.get(cfg.train.backend, key="train.backend")(ctx, model)
+
+    def call(self, name: str, *args, **kwargs):
+        return getattr(self.trainer, name)(*args, **kwargs)
+
+    def weights_ref(self) -> list:
+        import ray
+
+        return [ray.put({k: v.cpu() for k, v in self.trainer.weights().items()})]  # in a list: the caller gets the ref
+
+
+class RayBackend:
+    def __init__(self, engines: list) -> None:
+        self.engines = engines
+        self.weight_version = 0
+
+    def generate(self, prompts, params, n: int = 1):
+        import ray
+
+        k = len(self.engines)
+        bounds = [len(prompts) * i // k for i in range(k + 1)]
+        chunks = [(bounds[i], prompts[bounds[i] : bounds[i + 1]]) for i in range(k)]
+        refs = [(start, e.generate.remote(chunk, params, n)) for e, (start, chunk) in zip(self.engines, chunks) if chunk]
+        out = []
+        for start, ref in refs:
+            for s in ray.get(ref):
+                s.group_id += start
+                s.index = len(out)
+                out.append(s)
+        return out
+
+    def update_weights(self, state_dict, version: int) -> None:
+        import ray
+
+        ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(dict(state_dict))
+        held = ray.get([e.update_weights.remote(ref, version) for e in self.engines])
+        assert held == [version] * len(self.engines), held
+        self.weight_version = version
+
+    def release_memory(self) -> None:
+        import ray
+
+        ray.get([e.release_memory.remote() for e in self.engines])
+
+    def resume_memory(self) -> None:
+        import ray
+
+        ray.get([e.resume_memory.remote() for e in self.engines])
+
+    def shutdown(self) -> None:
+        import ray
+
+        ray.get([e.shutdown.remote() for e in self.engines])
+
+
+class RayTrainer:
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    def _call(self, name, *args, **kwargs):
+        import ray
+
+        return ray.get(self.actor.call.remote(name, *args, **kwargs))
+
+    def compute_logprobs(self, batch, temperature=None):
+        return self._call("compute_logprobs", batch, temperature)
+
+    def compute_ref_logprobs(self, batch, temperature=None):
+        return self._call("compute_ref_logprobs", batch, temperature)
+
+    def train_step(self, batch, loss_fn, temperature=None, lr=None):
+        return self._call("train_step", batch, loss_fn, temperature, lr)
+
+    def reset_reference(self) -> None:
+        self._call("reset_reference")
+
+    def weights(self):
+        import ray
+
+        return ray.get(self.actor.weights_ref.remote())[0]
+
+    def save(self, path: Path) -> None:
+        self._call("save", path)
+
+    def load(self, path: Path) -> None:
+        self._call("load", path)
+
+    def export_hf(self, family, dest: Path, extra_files=None) -> None:
+        self._call("export_hf", family, dest, extra_files)
+
+
+def _bundle(cpus: float, gpus: float) -> dict[str, float]:
+    return {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {})}
+
+
+def ray_placement(c, need_trainer: bool, need_backend: bool):
+    from miles_core.orchestration.placement import Placement
+
+    try:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    except ImportError:
+        raise ConfigError("orchestration.placement=ray_* needs Ray: pip install 'miles[ray]'") from None
+    cfg, o = c.ctx.config, c.ctx.config.orchestration
+    closers = []
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind to loopback, not the external address
+        tmp = tempfile.mkdtemp(prefix="miles-ray-")
+        need = o.num_engines * o.engine_num_cpus + o.trainer_num_cpus
+        kwargs = {} if o.ray_address else {"num_cpus": max(int(need + 0.999), os.cpu_count() or 1), "_temp_dir": tmp}
+        ray.init(address=o.ray_address, include_dashboard=False, log_to_driver=False, **kwargs)
+        closers += [ray.shutdown, lambda: shutil.rmtree(tmp, ignore_errors=True)]
+    colocated = o.placement == "ray_colocated"
+    n_eng = o.num_engines if need_backend else 0
+    if colocated:
+        bundles = [_bundle(n_eng * o.engine_num_cpus + o.trainer_num_cpus, max(o.engine_num_gpus, o.trainer_num_gpus))]
+        share = max(o.engine_num_gpus, o.trainer_num_gpus) / (n_eng + int(need_trainer))
+        eng_res = [(0, o.engine_num_cpus, share)] * n_eng
+        tr_res = (0, o.trainer_num_cpus, share)
+    else:
+        bundles = [_bundle(o.engine_num_cpus, o.engine_num_gpus)] * n_eng + [_bundle(o.trainer_num_cpus, o.trainer_num_gpus)]
+        eng_res = [(i, o.engine_num_cpus, o.engine_num_gpus) for i in range(n_eng)]
+        tr_res = (n_eng, o.trainer_num_cpus, o.trainer_num_gpus)
+    pg = placement_group(bundles, strategy="PACK")
+    ray.get(pg.ready(), timeout=120)
+    closers.insert(0, lambda: remove_placement_group(pg))
+
+    def spawn(cls, res):
+        index, cpus, gpus = res
+        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+        threads = cfg.run.num_threads or max(1, int(cpus))
+        actor_cls = ray.remote(cls).options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strategy)
+        return actor_cls.remote(cfg, c.ctx.plugins.blocked, c.ctx.tokenizer, c.model, threads)
+
+    engines = [spawn(EngineWorker, r) for r in eng_res]
+    trainer = RayTrainer(spawn(TrainerWorker, tr_res)) if need_trainer else None
+    backend = RayBackend(engines) if engines else None
+    return Placement(trainer, backend, colocated=colocated, _close=closers)

@@ -1,0 +1,53 @@
+"""Saved rollouts (debug modes): one step's samples as ``DIR/step_N.jsonl``, one Sample per line.
+
+Written atomically (a temporary file, fsync, rename), so a reader never sees half a step.
+``--load-rollouts DIR`` trains on them with no engine built; rewards are saved with the samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from miles_core.errors import DataError
+from miles_core.types import Sample
+
+
+def step_file(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step}.jsonl"
+
+
+def save_rollouts(root: str | Path, step: int, samples: list[Sample]) -> Path:
+    dest = step_file(root, step)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(".jsonl.tmp")
+    with open(tmp, "w") as f:
+        for s in samples:
+            row = dataclasses.asdict(s)
+            if row["routed_experts"] is not None:
+                row["routed_experts"] = s.routed_experts.tolist()
+            f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, dest)
+    return dest
+
+
+def load_rollouts(root: str | Path, step: int) -> list[Sample]:
+    path = step_file(root, step)
+    if not path.is_file():
+        raise DataError(f"run.load_rollouts: '{path}' does not exist (save it with --save-rollouts, or lower run.num_rollout)")
+    samples = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        try:
+            row = json.loads(line)
+            if row.get("routed_experts") is not None:
+                import torch
+
+                row["routed_experts"] = torch.tensor(row["routed_experts"])
+            samples.append(Sample(**row))
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise DataError(f"{path} line {i + 1}: not a saved sample ({exc})") from None
+    return samples

@@ -1,0 +1,106 @@
+"""Where each step's samples come from: the rollout schedules and the saved-rollout source.
+
+* ``sync``: step k generates with the weights of step k-1 (on-policy), then trains.
+* ``one_step_off``: as soon as step k's samples are handed to the trainer, step k+1's generation
+  starts in a background thread with the weights the engine holds (``v_{k-1}``); training of step
+  k runs meanwhile. The weight sync after step k waits for that generation to finish (the engine
+  takes new weights between batches), then pushes ``v_k``. Every sample is exactly one version
+  behind the trainer (``Sample.weight_version`` says which), so the off-policy corrections
+  (TIS, the mismatch metrics) see the real gap. Rollout and training overlap: with equal times a
+  step takes about ``max(rollout, train)`` instead of their sum.
+* ``async``: continuous rollout with partial rollouts (:mod:`miles_core.orchestration.async_rollout`).
+* ``LoadedRollouts``: train-only debug mode, steps read from ``--load-rollouts DIR``.
+
+Every source returns ``(samples, metrics)`` with ``time_generate``: the seconds the generation
+itself took (the loop's ``time_rollout`` is how long it waited for the samples).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from miles_core.orchestration.collect import collect
+from miles_core.orchestration.rollout_io import load_rollouts
+from miles_core.rollout.base import SamplingParams
+from miles_core.types import Prompt, Sample
+
+NextPrompts = Callable[[int, int], list[Prompt]]  # (how many, for which step) -> prompts
+Result = tuple[list[Sample], dict[str, float]]
+
+
+def _generate(c, backend, next_prompts: NextPrompts, params: SamplingParams, step: int) -> Result:
+    t0 = time.perf_counter()
+    samples, metrics = collect(c, backend, lambda n: next_prompts(n, step), params)
+    return samples, {**metrics, "time_generate": time.perf_counter() - t0}
+
+
+class SyncSchedule:
+    def __init__(self, c, backend, next_prompts: NextPrompts, params: SamplingParams, last_step: int) -> None:
+        self.c, self.backend, self.next_prompts, self.params, self.last_step = c, backend, next_prompts, params, last_step
+
+    def get(self, step: int) -> Result:
+        return _generate(self.c, self.backend, self.next_prompts, self.params, step)
+
+    def before_sync(self) -> None:
+        """Called before a weight push: the engine must be idle."""
+
+    def after_sync(self, version: int) -> None:
+        """Called after the push (and the eval that may follow it): the engine holds ``version``."""
+
+    def close(self) -> None:
+        pass
+
+
+class OneStepOffSchedule(SyncSchedule):
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-rollout")
+        self._ahead: tuple[int, Future] | None = None
+
+    def get(self, step: int) -> Result:
+        if self._ahead is not None and self._ahead[0] == step:
+            result = self._ahead[1].result()
+        else:
+            result = super().get(step)
+        self._ahead = None
+        if step < self.last_step:
+            self._ahead = (step + 1, self._pool.submit(_generate, self.c, self.backend, self.next_prompts, self.params, step + 1))
+        return result
+
+    def before_sync(self) -> None:
+        if self._ahead is not None:
+            self._ahead[1].exception()  # wait; an error surfaces from get()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class LoadedRollouts:
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def get(self, step: int) -> Result:
+        return load_rollouts(self.root, step), {"time_generate": 0.0}
+
+    def before_sync(self) -> None:
+        pass
+
+    def after_sync(self, version: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def make_source(c, backend, next_prompts: NextPrompts, params: SamplingParams, last_step: int):
+    run, orch = c.ctx.config.run, c.ctx.config.orchestration
+    if run.load_rollouts:
+        return LoadedRollouts(run.load_rollouts)
+    if orch.schedule == "async":
+        from miles_core.orchestration.async_rollout import AsyncSchedule
+
+        return AsyncSchedule(c, backend, next_prompts, params, last_step)
+    cls = OneStepOffSchedule if orch.schedule == "one_step_off" else SyncSchedule
+    return cls(c, backend, next_prompts, params, last_step)

@@ -1,0 +1,161 @@
+"""Schedules, deterministic seeds, saved rollouts and --resume, end to end on a tiny CPU config."""
+
+import json
+
+import pytest
+
+from miles_core.errors import ConfigError
+from miles_core.hookspecs import hookimpl
+from miles_core.orchestration.build import build
+from miles_core.orchestration.loop import run_loop
+from miles_core.orchestration.rollout_io import load_rollouts
+from miles_core.plugins.manager import MilesPlugins
+from miles_core.rollout.base import SamplingParams
+from miles_core.testing.contracts import tiny_config
+from miles_core.types import Prompt
+
+TRAIN_KEYS = ("reward_mean", "loss", "clip_frac", "grad_norm", "approx_kl", "entropy", "adv_std", "mismatch_kl", "response_len")
+
+
+class Versions:
+    """Records, per step, the weight versions of the samples and the trainer's version then."""
+
+    def __init__(self):
+        self.rollouts, self.synced = {}, [0]
+
+    @hookimpl
+    def miles_after_rollout(self, ctx, step, samples):
+        self.rollouts[step] = (self.synced[-1], [s.weight_version for s in samples], [tuple(s.response_ids) for s in samples])
+
+    @hookimpl
+    def miles_after_weight_sync(self, ctx, version):
+        self.synced.append(version)
+
+
+def _run(cfg, *plugins):
+    records = []
+    pm = MilesPlugins(autoload=False, extra_plugins=[(f"p{i}", p) for i, p in enumerate(plugins)])
+    summary, _ = run_loop(build(cfg, pm, None), records.append)
+    return summary, [r for r in records if r.get("phase") == "rl" and r["step"] > 0]
+
+
+def test_per_sample_seeds_do_not_depend_on_the_batch(tmp_path):
+    """Deterministic mode: a prompt's samples are the same alone or among other prompts."""
+    cfg = tiny_config(tmp_path, "rollout.temperature=1.0")
+    c = build(cfg, MilesPlugins(autoload=False), None)
+    backend = c.backend_factory(c.ctx, c.model)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    tok = c.ctx.tokenizer
+
+    def prompt(text, seed):
+        return Prompt(text, prompt_ids=tok.encode(text), metadata={"sampling_seed": seed})
+
+    alone = backend.generate([prompt("12+7=", 99)], params, n=3)
+    mixed = backend.generate([prompt("3+4=", 5), prompt("12+7=", 99), prompt("8+8=", 6)], params, n=3)
+    assert [s.response_ids for s in alone] == [s.response_ids for s in mixed[3:6]]
+    flat = lambda ss: [x for s in ss for x in s.rollout_logprobs]  # noqa: E731
+    assert flat(alone) == pytest.approx(flat(mixed[3:6]), abs=1e-5)
+    assert len({tuple(s.response_ids) for s in alone}) > 1  # the 3 samples of the group differ (seed + i)
+
+
+def test_one_step_off_samples_are_exactly_one_version_behind(tmp_path):
+    cfg = tiny_config(tmp_path, "run.num_rollout=4", "orchestration.schedule=one_step_off", "orchestration.deterministic=true")
+    rec = Versions()
+    summary, records = _run(cfg, rec)
+    assert summary["status"] == "completed" and summary["weight_version"] == 4
+    assert len(records) == 4 and all(r["loss"] == r["loss"] for r in records)
+    # step 1 is generated with v0 before anything overlaps; step k >= 2 was generated while step
+    # k-1 trained, with v_{k-2}, and is trained when the trainer holds v_{k-1}: staleness 1
+    for step, (trainer_version, versions, _) in rec.rollouts.items():
+        assert trainer_version == step - 1
+        assert set(versions) == {max(step - 2, 0)}, (step, versions)
+        assert trainer_version - min(versions) <= 1
+
+
+def test_sync_schedule_is_on_policy(tmp_path):
+    rec = Versions()
+    _run(tiny_config(tmp_path, "run.num_rollout=3"), rec)
+    assert {step: set(v) for step, (_, v, _) in rec.rollouts.items()} == {1: {0}, 2: {1}, 3: {2}}
+
+
+def test_training_from_saved_rollouts_reproduces_the_run(tmp_path):
+    saved = tmp_path / "rollouts"
+    cfg = tiny_config(tmp_path, "run.num_rollout=3", f"run.save_rollouts={saved}", "orchestration.deterministic=true")
+    _, first = _run(cfg)
+    assert sorted(p.name for p in saved.iterdir()) == ["step_1.jsonl", "step_2.jsonl", "step_3.jsonl"]
+    rows = [json.loads(line) for line in (saved / "step_2.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and all(r["reward"] is not None and r["weight_version"] == 1 for r in rows)
+    cfg2 = tiny_config(tmp_path, "run.num_rollout=3", f"run.load_rollouts={saved}")
+    pm = MilesPlugins(autoload=False)
+    c = build(cfg2, pm, None)
+    c.backend_factory = None  # train-only: the loop must not build an engine
+    records = []
+    summary, _ = run_loop(c, records.append)
+    second = [r for r in records if r["step"] > 0]
+    assert summary["status"] == "completed" and "eval_accuracy" not in second[-1]
+    for a, b in zip(first, second, strict=True):
+        for key in TRAIN_KEYS:
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+
+
+def test_rollout_mode_saves_samples_and_does_not_train(tmp_path):
+    cfg = tiny_config(tmp_path, "run.mode=rollout", "run.num_rollout=2")
+    pm = MilesPlugins(autoload=False)
+    c = build(cfg, pm, tmp_path / "out")
+    c.trainer_factory = None  # rollout only: no trainer is built
+    records = []
+    summary, trainer = run_loop(c, records.append)
+    assert trainer is None and summary["weight_version"] == 0
+    samples = load_rollouts(tmp_path / "out" / "rollouts", 2)
+    assert len(samples) == 8 and {s.weight_version for s in samples} == {0}
+    assert records[-1]["reward_mean"] == pytest.approx(sum(s.reward for s in samples) / 8)
+    assert "loss" not in records[-1]
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, cli):
+    out = cli("run", f"run.output_dir={tmp_path}", f"--save={tmp_path / 'ckpt'}", "--resume")
+    assert out.returncode == 2
+    assert "--resume" in out.stderr and "holds no checkpoint" in out.stderr
+    with pytest.raises(ConfigError, match="needs run.save"):
+        tiny_config(tmp_path, "run.resume=true")
+
+
+def test_resume_continues_the_newest_checkpoint(tmp_path):
+    save = tmp_path / "ckpt"
+    _run(tiny_config(tmp_path, "run.num_rollout=2", f"run.save={save}", "run.save_interval=1"))
+    cfg = tiny_config(tmp_path, "run.num_rollout=3", f"run.save={save}", "run.resume=true")
+    summary, records = _run(cfg)
+    assert cfg.run.load == str(save)
+    assert [r["step"] for r in records] == [3] and summary["weight_version"] == 3
+
+
+class Partials:
+    @hookimpl
+    def miles_after_rollout(self, ctx, step, samples):
+        self.steps = getattr(self, "steps", {})
+        self.steps[step] = [(s.weight_version, s.metadata["weight_versions"], s.metadata["resumed_at"], len(s.response_ids), s.finish_reason) for s in samples]
+
+
+def test_async_partial_rollouts_are_continued_within_the_staleness_bound(tmp_path):
+    cfg = tiny_config(
+        tmp_path, "run.num_rollout=4", "orchestration.schedule=async", "orchestration.max_staleness=1",
+        "orchestration.deterministic=true", "rollout.max_response_len=24", "rollout.temperature=1.0",
+    )
+    rec = Partials()
+    summary, records = _run(cfg, rec)
+    assert summary["status"] == "completed" and summary["weight_version"] == 4
+    assert all(r["loss"] == r["loss"] for r in records)
+    resumed = 0
+    for step, rows in rec.steps.items():
+        trainer_version = step - 1
+        assert len(rows) == 8
+        for oldest, versions, resumed_at, length, reason in rows:
+            assert trainer_version - oldest <= 1  # the staleness bound
+            assert oldest == versions[0] and versions == sorted(versions)
+            assert len(versions) == len(resumed_at) + 1 and reason in ("stop", "length")
+            # a continuation resumes where the sample stopped: increasing lengths, within the budget
+            assert resumed_at == sorted(resumed_at) and all(0 < a <= length for a in resumed_at) and length <= 24, (versions, resumed_at, length, reason)
+            if resumed_at:  # the part before the cut was sampled with older weights than the part after
+                assert all(a < b for a, b in zip(versions, versions[1:]))
+            resumed += bool(resumed_at)
+    assert resumed > 0  # some samples were cut by a weight update and continued with newer weights
