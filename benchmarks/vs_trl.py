@@ -131,8 +131,14 @@ def miles_config(args):
 
 def run_miles(cfg, c) -> dict:
     records: list[dict] = []
+
+    def on_metrics(record: dict) -> None:
+        records.append(record)
+        keys = ("step", "time_step", "reward_mean", "eval_accuracy")
+        print("miles", {k: round(record[k], 3) for k in keys if k in record}, flush=True)
+
     with PeakMemory(cfg.run.device) as mem:
-        summary, _trainer = run_loop(c, records.append)
+        summary, _trainer = run_loop(c, on_metrics)
     steps = [r for r in records if r.get("phase") == "rl" and r["step"] > 0]
     gen_tokens = [r["response_len"] * cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt for r in steps]
     step_s = [r["time_step"] - r.get("time_eval", 0.0) for r in steps]
