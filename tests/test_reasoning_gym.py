@@ -129,6 +129,7 @@ def test_recipe_validates():
     assert "task reasoning_gym (8 eval prompts)" in r.stdout and "model llama 134,515,008 params" in r.stdout
 
 
+@pytest.mark.slow
 def test_recipe_one_step_smoke(tmp_path):
     """One real RL step of the recipe with SmolLM2 (1 prompt x 2 samples, 8 tokens, 2 eval prompts)."""
     needs_smollm2()
