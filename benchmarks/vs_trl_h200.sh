@@ -10,7 +10,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/small/*.whl .whl/pyarrow/*.whl || exit 1
 mkdir -p /tmp/smollm2 && cat .whl/gguf/part_* > /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
 mkdir -p .pyshim && ln -sfn "$PWD/cli" .pyshim/miles_cli
-export PYTHONPATH=/tmp/site:$PWD:$PWD/.pyshim
+# miles_nvidia from the checkout, visible to the plugin manager's entry-point scan (Triton kernels on GPU)
+d=/tmp/site/miles_nvidia-0.1.0.dist-info; mkdir -p $d
+printf 'Metadata-Version: 2.1\nName: miles-nvidia\nVersion: 0.1.0\n' > $d/METADATA
+printf '[miles]\nmiles_nvidia = miles_nvidia.plugin\n' > $d/entry_points.txt
+export PYTHONPATH=/tmp/site:$PWD:$PWD/.pyshim:$PWD/plugins/miles_nvidia
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, trl, datasets; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__, 'datasets', datasets.__version__)"
 python3 benchmarks/vs_trl.py --device cuda --precision bf16 --model /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "$@" 2>&1 \
