@@ -33,6 +33,10 @@ class Kernels:
             candidates.sort(key=lambda k: -k.priority)
             self._chosen[op] = plugins.kernel_select(op, platform, candidates) or candidates[0]
 
+    def get(self, op: str, default: Callable[..., Any] | None = None) -> Callable[..., Any] | None:
+        impl = self._chosen.get(op)
+        return default if impl is None else impl.fn
+
     def __getitem__(self, op: str) -> Callable[..., Any]:
         try:
             return self._chosen[op].fn

@@ -165,14 +165,17 @@ class Decoder(nn.Module):
         self.apply(self._init)
 
     def use_kernels(self, kernels) -> Decoder:
-        """Install the kernel registry's "rmsnorm", "rope" and "swiglu" in every module (in place)."""
+        """Install the kernel registry's "rmsnorm", "rope" and "swiglu" in every module (in place).
+
+        ``kernels`` is a :class:`~miles_core.kernels.base.Kernels` (or any mapping of op name to
+        function); an op it lacks keeps the module's current implementation."""
         for m in self.modules():
             if isinstance(m, RMSNorm):
-                m.op = kernels["rmsnorm"]
+                m.op = kernels.get("rmsnorm", m.op)
             elif isinstance(m, Attention):
-                m.rope = kernels["rope"]
+                m.rope = kernels.get("rope", m.rope)
             elif isinstance(m, MLP):
-                m.act = kernels["swiglu"]
+                m.act = kernels.get("swiglu", m.act)
         return self
 
     def _init(self, module: nn.Module) -> None:
