@@ -49,6 +49,7 @@ class OrchestrationConfig:
     engine_num_gpus: float = 0.0
     trainer_num_cpus: float = 1.0
     trainer_num_gpus: float = 0.0
+    trainer_num_ranks: int = 1  # trainer actors (Ray placements); > 1 = FSDP2 over them (gloo on CPU, NCCL on GPU)
     deterministic: bool = False  # per-sample sampling seeds from (run.seed, step, prompt index, sample index)
     ray_address: str | None = None  # None starts a local Ray cluster
 
@@ -64,5 +65,11 @@ class OrchestrationConfig:
             raise ConfigError("orchestration.schedule=async runs in process for now: use orchestration.placement=local")
         if self.num_engines < 1:
             raise ConfigError(f"orchestration.num_engines must be >= 1, got {self.num_engines}")
+        if self.trainer_num_ranks < 1:
+            raise ConfigError(f"orchestration.trainer_num_ranks must be >= 1, got {self.trainer_num_ranks}")
+        if self.placement == "local" and self.trainer_num_ranks != 1:
+            raise ConfigError("orchestration.trainer_num_ranks > 1 needs a Ray placement (or launch with torchrun)")
+        if self.placement == "ray_colocated" and self.trainer_num_ranks != 1:
+            raise ConfigError("orchestration.trainer_num_ranks > 1 needs orchestration.placement=ray_disaggregated")
         if self.placement == "local" and self.num_engines != 1:
             raise ConfigError("orchestration.num_engines > 1 needs a Ray placement (orchestration.placement=ray_disaggregated)")

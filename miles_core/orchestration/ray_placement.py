@@ -6,7 +6,10 @@
 * :class:`RayBackend` spreads a ``generate`` call over the engines: the prompts are cut into
   contiguous chunks, one per engine (a prompt's group of ``n`` stays on one engine), and the
   results are put back in prompt order with batch-wide group ids and indices.
-* :class:`RayTrainer` forwards the trainer calls. ``weights()`` returns a Ray object reference:
+* :class:`RayTrainer` forwards the trainer calls to every trainer rank at once
+  (``orchestration.trainer_num_ranks``; with several, the actors form one torch.distributed group,
+  rank 0 as the rendezvous, and the torch trainer shards the model with FSDP2 across them: each
+  rank gets the same global batch and takes its share). ``weights()`` returns a Ray object reference:
   the trainer actor puts its state dict in the object store once, and every engine actor gets it
   from there (``RayBackend.update_weights``), tagged with the version.
 
@@ -68,17 +71,38 @@ class EngineWorker:
 
 
 class TrainerWorker:
-    def __init__(self, cfg, blocked, tokenizer, model, num_threads: int) -> None:
+    def __init__(self, cfg, blocked, tokenizer, model, num_threads: int, rank: int = 0, world: int = 1, master: str = "") -> None:
+        if world > 1:  # the environment torchrun would set; init_from_env joins the group
+            addr, port = master.rsplit(":", 1)
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR=addr, MASTER_PORT=port)
         ctx = _actor_context(cfg, blocked, tokenizer, num_threads)
         self.trainer = ctx.plugins.registries.trainers.get(cfg.train.backend, key="train.backend")(ctx, model)
 
     def call(self, name: str, *args, **kwargs):
         return getattr(self.trainer, name)(*args, **kwargs)
 
+    def rank_and_world(self) -> tuple[int, int]:
+        d = getattr(self.trainer, "dist", None)
+        return (d.rank, d.world_size) if d is not None else (0, 1)
+
     def weights_ref(self) -> list:
         import ray
 
-        return [ray.put({k: v.cpu() for k, v in self.trainer.weights().items()})]  # in a list: the caller gets the ref
+        weights = self.trainer.weights()  # under FSDP a collective: every rank gathers
+        if getattr(getattr(self.trainer, "dist", None), "rank", 0) != 0:
+            return [None]
+        return [ray.put({k: v.cpu() for k, v in weights.items()})]  # in a list: the caller gets the ref
+
+    @staticmethod
+    def free_address() -> str:
+        """host:port for the trainer ranks' rendezvous (asked of rank 0's actor, on its node)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return f"{ray.util.get_node_ip_address()}:{s.getsockname()[1]}"
 
 
 class RayBackend:
@@ -126,13 +150,14 @@ class RayBackend:
 
 
 class RayTrainer:
-    def __init__(self, actor) -> None:
-        self.actor = actor
+    def __init__(self, actors: list) -> None:
+        self.actors = actors
 
     def _call(self, name, *args, **kwargs):
+        """Call on every rank at once (the calls hold collectives); rank 0's result."""
         import ray
 
-        return ray.get(self.actor.call.remote(name, *args, **kwargs))
+        return ray.get([a.call.remote(name, *args, **kwargs) for a in self.actors])[0]
 
     def compute_logprobs(self, batch, temperature=None):
         return self._call("compute_logprobs", batch, temperature)
@@ -149,7 +174,7 @@ class RayTrainer:
     def weights(self):
         import ray
 
-        return ray.get(self.actor.weights_ref.remote())[0]
+        return ray.get([a.weights_ref.remote() for a in self.actors])[0][0]
 
     def save(self, path: Path) -> None:
         self._call("save", path)
@@ -179,7 +204,7 @@ def ray_placement(c, need_trainer: bool, need_backend: bool):
     if not ray.is_initialized():
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind to loopback, not the external address
         tmp = tempfile.mkdtemp(prefix="miles-ray-")
-        need = o.num_engines * o.engine_num_cpus + o.trainer_num_cpus
+        need = o.num_engines * o.engine_num_cpus + o.trainer_num_ranks * o.trainer_num_cpus
         kwargs = {} if o.ray_address else {"num_cpus": max(int(need + 0.999), os.cpu_count() or 1), "_temp_dir": tmp}
         ray.init(address=o.ray_address, include_dashboard=False, log_to_driver=False, **kwargs)
         closers += [ray.shutdown, lambda: shutil.rmtree(tmp, ignore_errors=True)]
@@ -191,21 +216,31 @@ def ray_placement(c, need_trainer: bool, need_backend: bool):
         eng_res = [(0, o.engine_num_cpus, share)] * n_eng
         tr_res = (0, o.trainer_num_cpus, share)
     else:
-        bundles = [_bundle(o.engine_num_cpus, o.engine_num_gpus)] * n_eng + [_bundle(o.trainer_num_cpus, o.trainer_num_gpus)]
+        ranks = o.trainer_num_ranks
+        bundles = [_bundle(o.engine_num_cpus, o.engine_num_gpus)] * n_eng + [_bundle(o.trainer_num_cpus, o.trainer_num_gpus)] * ranks
         eng_res = [(i, o.engine_num_cpus, o.engine_num_gpus) for i in range(n_eng)]
         tr_res = (n_eng, o.trainer_num_cpus, o.trainer_num_gpus)
     pg = placement_group(bundles, strategy="PACK")
     ray.get(pg.ready(), timeout=120)
     closers.insert(0, lambda: remove_placement_group(pg))
 
-    def spawn(cls, res):
+    def spawn(cls, res, *extra):
         index, cpus, gpus = res
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
         threads = cfg.run.num_threads or max(1, int(cpus))
         actor_cls = ray.remote(cls).options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strategy)
-        return actor_cls.remote(cfg, c.ctx.plugins.blocked, c.ctx.tokenizer, c.model, threads)
+        return actor_cls.remote(cfg, c.ctx.plugins.blocked, c.ctx.tokenizer, c.model, threads, *extra)
 
     engines = [spawn(EngineWorker, r) for r in eng_res]
-    trainer = RayTrainer(spawn(TrainerWorker, tr_res)) if need_trainer else None
+    trainer = None
+    if need_trainer:
+        world = 1 if colocated else o.trainer_num_ranks
+        master = ""
+        if world > 1:  # the rendezvous address is taken where rank 0 will run
+            index = tr_res[0]
+            probe = ray.remote(TrainerWorker.free_address).options(
+                num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index))
+            master = ray.get(probe.remote())
+        trainer = RayTrainer([spawn(TrainerWorker, (tr_res[0] + r, *tr_res[1:]), r, world, master) for r in range(world)])
     backend = RayBackend(engines) if engines else None
     return Placement(trainer, backend, colocated=colocated, _close=closers)

@@ -65,3 +65,20 @@ def test_colocated_engines_hold_no_memory_while_the_trainer_works(tmp_path, ray_
         assert released() == [[], []]
     finally:
         placement.close()
+
+
+def test_two_trainer_ranks_on_ray_match_one_rank(tmp_path, ray_cluster):
+    """FSDP2 over two trainer actors (gloo) gives one rank's first step (same global batch), and the
+    run goes on with the weights gathered from both ranks."""
+    local = _metrics(tmp_path)
+    two = _metrics(tmp_path, "orchestration.placement=ray_disaggregated", "orchestration.trainer_num_ranks=2")
+    for key in ("reward_mean", "loss", "grad_norm", "approx_kl", "entropy", "adv_std"):
+        assert two[0][key] == pytest.approx(local[0][key], rel=1e-4, abs=1e-6), key  # same samples; sums split across ranks
+    assert [r["weight_version"] for r in two] == [1, 2, 3]
+    assert two[-1]["loss"] == pytest.approx(local[-1]["loss"], rel=1e-2, abs=1e-4)
+    cfg = tiny_config(tmp_path, "orchestration.placement=ray_disaggregated", "orchestration.trainer_num_ranks=2")
+    placement = make_placement(build(cfg, MilesPlugins(autoload=False), None))
+    try:
+        assert ray.get([a.rank_and_world.remote() for a in placement.trainer.actors]) == [(0, 2), (1, 2)]
+    finally:
+        placement.close()
