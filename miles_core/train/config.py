@@ -18,6 +18,7 @@ class TrainConfig:
     micro_batch_size: int = 64  # at most this many samples per forward/backward
     max_tokens_per_micro_batch: int = 8192  # token budget of one packed micro-batch (no padding)
     activation_checkpointing: bool = False  # recompute each decoder block in backward
+    compile: bool = False  # torch.compile each decoder block (dynamic shapes); it then keeps the core's torch norm/rope/swiglu for inductor to fuse
     attention: str = "auto"  # packed attention: auto | sdpa (per sample) | padded (one batched call) | varlen (flash, CUDA)
     logprob_chunk_size: int = 1024  # rows of [tokens, vocab] logits made at once by the "logprobs" op
     lr_warmup_steps: int = 0  # linear warm-up over this many optimizer steps

@@ -67,9 +67,12 @@ class TorchTrainer:
         self.precision = precision
         t = cfg.train
         self.model = precision.prepare_model(model).to(self.device).train()  # the decoder (HF names)
-        if hasattr(self.model, "use_kernels"):  # the registry's rmsnorm/rope/swiglu, as in the engine
+        if hasattr(self.model, "use_kernels") and not t.compile:  # the registry's rmsnorm/rope/swiglu, as in the engine
             self.model.use_kernels(kernels)
         ref = copy.deepcopy(self.model).eval().requires_grad_(False) if cfg.algorithm.kl_coef > 0 else None
+        if t.compile:  # each block in place (parameter names unchanged); one graph serves every block
+            for block in getattr(getattr(self.model, "model", None), "layers", []):
+                block.compile(dynamic=True)
         if t.activation_checkpointing:
             checkpoint_blocks(self.model)
         op = kernels["logprobs"]
