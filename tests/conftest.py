@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -20,3 +21,13 @@ def run_cli(*args: str, env: dict | None = None, cwd=None, timeout: float = 600)
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture
+def one_thread():
+    """The CI machines have 2 cores shared by many tests: tiny tensors are fastest on one thread.
+    A folder's conftest makes it autouse for its tests."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -96,13 +96,11 @@ class TrainerWorker:
     @staticmethod
     def free_address() -> str:
         """host:port for the trainer ranks' rendezvous (asked of rank 0's actor, on its node)."""
-        import socket
-
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return f"{ray.util.get_node_ip_address()}:{s.getsockname()[1]}"
+        from miles_core.rollout.sglang.launch import free_port
+
+        return f"{ray.util.get_node_ip_address()}:{free_port('')}"
 
 
 class RayBackend:

@@ -53,8 +53,8 @@ class BuiltinEngine:
         if device.type == "cpu" and config is None:
             cfg.decode_steps = 8
         exact = precision is not None and precision.batch_invariant
-        if exact:
-            cfg.exact_attention = True  # the kernel mode must see the trainer's attention call
+        if exact:  # the kernel mode must see the trainer's attention call (a copy: the caller's config stays)
+            cfg = dataclasses.replace(cfg, exact_attention=True)
         self.tokenizer = tokenizer
         self.device = device
         self.precision = precision  # its kernel_mode wraps every engine step (a plugin's batch-invariant mode)
