@@ -63,9 +63,10 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def bench_hf(hf, prompts, new_tokens, dev):
+def bench_hf(hf, prompts, new_tokens, dev, temperature=0.0):
     ids = torch.tensor(prompts, device=dev)
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    kw.update(dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False))
     hf.generate(ids[:, :8], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4, "attention_mask": torch.ones_like(ids[:, :8])})
     sync(dev)
     t0 = time.perf_counter()
@@ -76,8 +77,8 @@ def bench_hf(hf, prompts, new_tokens, dev):
     return dt, out[:, ids.shape[1]:]
 
 
-def bench_engine(core, prompts, new_tokens, dev):
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+def bench_engine(core, prompts, new_tokens, dev, temperature=0.0):
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, ignore_eos=True)
 
     def run(ps):
         reqs = [core.add_request(p, params)[0] for p in ps]
@@ -104,6 +105,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="engine only")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = leave as is)")
     ap.add_argument("--decode-steps", type=int, default=None, help="engine decode steps per host sync")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default); > 0 samples (top-k/top-p off)")
     args = ap.parse_args()
     a = argparse.Namespace(**PRESETS[args.preset])
     for k in ("batches", "prompt_len", "new_tokens"):
@@ -144,13 +146,14 @@ def main() -> None:
     rows = []
     for b in batches:
         prompts = torch.randint(1, a.vocab, (b, a.prompt_len), generator=gen).tolist()
-        e_dt, e_out = bench_engine(core, prompts, a.new_tokens, dev)
+        e_dt, e_out = bench_engine(core, prompts, a.new_tokens, dev, args.temperature)
         row = {"batch": b, "engine_tok_s": b * a.new_tokens / e_dt, "engine_s": e_dt}
         if not args.skip_hf:
-            h_dt, h_out = bench_hf(hf, prompts, a.new_tokens, dev)
+            h_dt, h_out = bench_hf(hf, prompts, a.new_tokens, dev, args.temperature)
             row.update(hf_tok_s=b * a.new_tokens / h_dt, hf_s=h_dt, speedup=h_dt / e_dt)
-            same = sum(x == y for x, y in zip(e_out, h_out.tolist()))
-            row["identical_sequences"] = f"{same}/{b}"
+            if args.temperature == 0:  # sampled outputs differ by construction (different random streams)
+                same = sum(x == y for x, y in zip(e_out, h_out.tolist()))
+                row["identical_sequences"] = f"{same}/{b}"
         if dev.type == "cuda":
             step_bytes = weight_bytes + b * (a.prompt_len + a.new_tokens / 2) * kv_per_token
             row["roofline_frac"] = (step_bytes / HBM_BYTES_PER_S) / (e_dt / a.new_tokens)
@@ -159,7 +162,8 @@ def main() -> None:
 
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(f"\nrollout benchmark — {args.preset} preset on {device_name}, torch {torch.__version__}, "
-          f"{a.family} hidden {a.hidden} x {a.layers} layers, {a.dtype}, prompt {a.prompt_len}, new {a.new_tokens}, greedy")
+          f"{a.family} hidden {a.hidden} x {a.layers} layers, {a.dtype}, prompt {a.prompt_len}, new {a.new_tokens}, "
+          + (f"temperature {args.temperature}" if args.temperature > 0 else "greedy"))
     ops = {name: getattr(fn, "__name__", str(fn)) for name, fn in
            (("rmsnorm", model.model.norm.op), ("rope", model.model.layers[0].self_attn.rope), ("swiglu", model.model.layers[0].mlp.act))}
     print(f"engine: triton decode {core.runner.use_triton}, cuda graphs {core.runner.use_graphs}, decode steps/sync {cfg.decode_steps}, kernels {ops}")
@@ -173,9 +177,9 @@ def main() -> None:
     out = os.environ.get("OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        meta = {"preset": args.preset, "device": device_name, "torch": torch.__version__, "config": vars(a),
+        meta = {"preset": args.preset, "temperature": args.temperature, "device": device_name, "torch": torch.__version__, "config": vars(a),
                 "triton_decode": core.runner.use_triton, "cuda_graphs": core.runner.use_graphs}
-        (Path(out) / "rollout_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        (Path(out) / f"rollout_bench{'_t' + str(args.temperature) if args.temperature > 0 else ''}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -185,3 +185,25 @@ def test_rejects_bad_requests():
         core.add_request(list(range(40)), SamplingParams())
     with pytest.raises(Exception, match="input_ids"):
         core.add_request([1, 999], SamplingParams())
+
+
+def test_fused_projections_are_views_and_match_separate_gemms():
+    core = engine(model=tiny(0))
+    run, layer = core.runner, core.model.model.layers[0]
+    assert len(run.qkv) == 2 and run.qkv[0].shape == (4 * 8 + 2 * 2 * 8, 32)
+    # the parameters are row slices of the fused tensors: an in-place update lands in both
+    assert layer.self_attn.k_proj.weight.data_ptr() == run.qkv[0][32:].data_ptr()
+    assert layer.mlp.up_proj.weight.data_ptr() == run.gate_up[0][64:].data_ptr()
+    sampled = SamplingParams(max_new_tokens=10, temperature=1.0, seed=5)
+    (fused,) = core.add_request(P3, sampled)
+    drain(core)
+    ref = EngineCore(tiny(0), EngineConfig(block_size=4, decode_steps=3, exact_attention=True))  # no fusion
+    assert ref.runner.qkv == []
+    (sep,) = ref.add_request(P3, sampled)
+    drain(ref)
+    assert fused.output_ids == sep.output_ids
+    assert max(abs(a - b) for a, b in zip(fused.logprobs, sep.logprobs)) < 1e-5
+    core.release_memory(("weights",))
+    assert run.qkv == []
+    core.resume_memory(("weights",))
+    assert layer.self_attn.q_proj.weight.data_ptr() == run.qkv[0].data_ptr()

@@ -106,6 +106,7 @@ class EngineCore:
             self.released.add("kv_cache")
         if "weights" in tags and "weights" not in self.released:
             self.runner.drop_graphs()
+            self.runner.unfuse()
             for t in itertools.chain(self.model.parameters(), self.model.buffers()):
                 t.data = t.data.to("cpu")
             self.released.add("weights")
@@ -117,6 +118,7 @@ class EngineCore:
         if "weights" in tags and "weights" in self.released:
             for t in itertools.chain(self.model.parameters(), self.model.buffers()):
                 t.data = t.data.to(self.device)
+            self.runner.fuse()
             self.released.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self.released:
             self._allocate_kv()

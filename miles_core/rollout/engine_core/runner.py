@@ -8,6 +8,12 @@ matmul, norm and rotary call is the decoder's own, so engine and trainer compute
 
 KV cache layout: one tensor [layers, 2, S, Hk, D] (S = num_blocks * block_size slots).
 
+Fused projections (outside ``exact_attention``): per layer, q/k/v and gate/up run as one GEMM
+each. Their weights become row slices (views) of one tensor per layer (:meth:`ModelRunner.fuse`),
+so the parameters keep their names and shapes, and an in-place weight update (``copy_``) lands in
+the fused tensor too. A fused GEMM rounds like the separate ones up to the GEMM library's choice of
+algorithm; ``exact_attention`` keeps the trainer's separate calls.
+
 Decode state lives in static device buffers (``tokens``, ``positions``, ``ctx_lens``,
 ``block_tables``) that a CUDA graph, captured once per batch-size bucket, reads and the engine
 updates in place between replays; so a decode step needs no host work beyond the replay.
@@ -16,13 +22,14 @@ updates in place between replays; so a decode step needs no host work beyond the
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from miles_core.rollout.engine_core import triton_decode
-import math
-from dataclasses import dataclass
 
 from miles_core.rollout.engine_core.attention import AttnBatch, decode_attention_torch, gather_slots, paged_attention
 from miles_core.rollout.engine_core.config import EngineConfig
@@ -61,6 +68,31 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None  # exact_attention: final hidden states of the last logits
         self.graph_pool = None
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 1
+        self.qkv: list[torch.Tensor] = []  # per layer [(H + 2 Hk) D, hidden], see fuse()
+        self.gate_up: list[torch.Tensor | None] = []  # per layer [2 I, hidden] (None: MoE layer)
+        self.fuse()
+
+    # ------------------------------------------------------------------ fused projections
+    def fuse(self) -> None:
+        """Make each layer's q/k/v (and dense gate/up) weights views into one tensor; no-op with
+        ``exact_attention`` or when a projection is not a plain bias-free ``nn.Linear``."""
+        self.qkv, self.gate_up = [], []
+        if self.cfg.exact_attention:
+            return
+        layers = self.model.model.layers
+        plain = lambda *ms: all(type(m) is nn.Linear and m.bias is None for m in ms)  # noqa: E731
+        if not all(plain(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in layers):
+            return
+        for layer in layers:
+            a, mlp = layer.self_attn, layer.mlp
+            self.qkv.append(_fuse_rows(a.q_proj, a.k_proj, a.v_proj))
+            dense = hasattr(mlp, "gate_proj") and plain(mlp.gate_proj, mlp.up_proj)
+            self.gate_up.append(_fuse_rows(mlp.gate_proj, mlp.up_proj) if dense else None)
+
+    def unfuse(self) -> None:
+        """Drop the fused tensors (the parameters stay views of them until moved), e.g. before the
+        weights are released to host memory; :meth:`fuse` rebuilds them."""
+        self.qkv, self.gate_up = [], []
 
     # ------------------------------------------------------------------ memory
     def bytes_per_block(self) -> int:
@@ -112,9 +144,13 @@ class ModelRunner:
         for i, layer in enumerate(model.model.layers):
             a = layer.self_attn
             h = layer.input_layernorm(x)
-            q = a.q_proj(h).view(n, -1, d)
-            k = a.k_proj(h).view(n, -1, d)
-            v = a.v_proj(h).view(n, -1, d)
+            if self.qkv:
+                nq, nk = a.q_proj.out_features, a.k_proj.out_features
+                q, k, v = (y.view(n, -1, d) for y in F.linear(h, self.qkv[i]).split([nq, nk, nk], -1))
+            else:
+                q = a.q_proj(h).view(n, -1, d)
+                k = a.k_proj(h).view(n, -1, d)
+                v = a.v_proj(h).view(n, -1, d)
             if a.cfg.qk_norm:
                 q, k = a.q_norm(q), a.k_norm(k)
             # the op is written for [B, heads, T, D]: each new token is a batch row with T = 1
@@ -135,7 +171,12 @@ class ModelRunner:
             else:
                 if self.is_moe:
                     routed.append(torch.full((n, self.moe_k), -1, dtype=torch.long, device=x.device))
-                x = x + mlp(h)
+                gu = self.gate_up[i] if self.gate_up else None
+                if gu is not None:
+                    gate, up = F.linear(h, gu).chunk(2, -1)
+                    x = x + mlp.down_proj(mlp.act(gate, up))
+                else:
+                    x = x + mlp(h)
         return model.model.norm(x), (torch.stack(routed, 1) if routed else None)
 
     @torch.no_grad()
@@ -225,6 +266,18 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=self.graph_pool):
             logits, _ = self._decode_body(bs, full)
         self.graphs[bs] = (graph, logits)
+
+
+def _fuse_rows(*linears: nn.Linear) -> torch.Tensor:
+    """Concatenate the weights [out_i, in] into one [sum out_i, in] tensor and rebind each weight as
+    its row slice (a contiguous view)."""
+    fused = torch.cat([m.weight.data for m in linears])
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight.data = fused[start:start + rows]
+        start += rows
+    return fused
 
 
 @dataclass

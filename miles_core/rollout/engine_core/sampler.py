@@ -13,6 +13,9 @@ The uniforms ``u`` come from a counter-based hash of (request seed, output posit
 rather than a stateful generator, so a request's draws do not depend on which other requests
 share its batch, and a seeded request is reproducible. Departure from exact top-p: tokens tied
 with the last kept logit are kept too (the cut is a threshold on the logit).
+
+On CUDA (with Triton), the draw, the argmax and the log-sum-exp run in one fused pass per row
+(:mod:`.triton_sample`); the filters' threshold, when a row uses one, is still found in torch.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from miles_core.rollout.engine_core import triton_sample
 
 _M32 = 0xFFFFFFFF
 
@@ -31,9 +36,14 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
+def row_hash(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """[B] seeds, [B] output positions -> [B] int64 hash state (< 2**32) of each row's draw."""
+    return _mix32(_mix32(seeds & _M32) ^ (counters & _M32) ^ ((seeds >> 32) & _M32) * 0x1B873593 & _M32)
+
+
 def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B] seeds, [B] output positions -> [B, V] float32 uniforms in (0, 1)."""
-    row = _mix32(_mix32(seeds & _M32) ^ (counters & _M32) ^ ((seeds >> 32) & _M32) * 0x1B873593 & _M32)
+    row = row_hash(seeds, counters)
     v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     x = _mix32((row[:, None] + v[None, :] * 0x2545F49) & _M32)
     return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
@@ -76,11 +86,39 @@ class SamplingTensors:
         )
 
 
+def _threshold(s: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """[B] lower bound on the kept scaled logits ``s`` (top-k, then top-p, then min-p; -inf = keep all)."""
+    lo = torch.full((s.shape[0],), float("-inf"), device=s.device)
+    if st.any_top_p_or_k:
+        vocab = s.shape[-1]
+        srt = torch.sort(s, dim=-1, descending=True).values
+        k = torch.where(st.top_k > 0, st.top_k.clamp(max=vocab), torch.full_like(st.top_k, vocab))
+        rank = torch.arange(vocab, device=s.device)
+        # top-k first, then top-p on the renormalised survivors (the order HF's warpers use)
+        masked = srt.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
+        probs = torch.softmax(masked, -1)
+        keep = (rank[None, :] < k[:, None]) & ((probs.cumsum(-1) - probs) < st.top_p[:, None])
+        n_keep = keep.sum(-1).clamp(min=1)
+        lo = srt.gather(-1, (n_keep - 1)[:, None]).squeeze(-1)
+    if st.any_min_p:  # the top token always survives the filters above: their max is s.max()
+        cut = s.amax(-1) + torch.log(st.min_p.clamp(min=1e-30))
+        lo = torch.where(st.min_p > 0, torch.maximum(lo, cut), lo)
+    return lo
+
+
 def sample(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor):
     """``logits`` [B, V], ``counters`` [B] int64 (output position of the token drawn).
 
     Returns (tokens [B] int64, logprobs [B] float32, top logprobs (values [B, k], ids [B, k]) or None).
     """
+    if logits.is_cuda and st.max_top_logprobs == 0 and triton_sample.available():
+        if st.any_top_p_or_k or st.any_min_p:
+            temp = torch.where(st.temperature <= 0, torch.ones_like(st.temperature), st.temperature)
+            lo = _threshold(logits.float() / temp[:, None], st)
+        else:
+            lo = torch.full_like(st.temperature, float("-inf"))
+        tok, lp = triton_sample.sample_rows(logits, st.temperature, lo, row_hash(st.seeds, counters), st.any_sampled)
+        return tok, lp, None
     z = logits.float()
     greedy = st.temperature <= 0
     temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
@@ -89,22 +127,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor):
     token = z.argmax(-1)
     if st.any_sampled:
         filt = s
-        if st.any_top_p_or_k:
-            vocab = s.shape[-1]
-            srt = torch.sort(s, dim=-1, descending=True).values
-            k = torch.where(st.top_k > 0, st.top_k.clamp(max=vocab), torch.full_like(st.top_k, vocab))
-            rank = torch.arange(vocab, device=s.device)
-            # top-k first, then top-p on the renormalised survivors (the order HF's warpers use)
-            masked = srt.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
-            probs = torch.softmax(masked, -1)
-            keep = (rank[None, :] < k[:, None]) & ((probs.cumsum(-1) - probs) < st.top_p[:, None])
-            n_keep = keep.sum(-1).clamp(min=1)
-            thresh = srt.gather(-1, (n_keep - 1)[:, None])
-            filt = filt.masked_fill(s < thresh, float("-inf"))
-        if st.any_min_p:
-            top = filt.amax(-1, keepdim=True)
-            cut = top + torch.log(st.min_p.clamp(min=1e-30))[:, None]
-            filt = torch.where((st.min_p[:, None] > 0) & (filt < cut), torch.full_like(filt, float("-inf")), filt)
+        if st.any_top_p_or_k or st.any_min_p:
+            filt = s.masked_fill(s < _threshold(s, st)[:, None], float("-inf"))
         u = uniform_noise(st.seeds, counters, s.shape[-1])
         drawn = (filt - torch.log(-torch.log(u))).argmax(-1)
         token = torch.where(greedy, token, drawn)

@@ -76,3 +76,20 @@ def test_full_shapes_on_gpu():
     cs = torch.randn(2, 8, 1, 2048, 64, device="cuda", dtype=torch.bfloat16)
     cos, sin = (torch.cat((c, c), -1) for c in cs.unbind(0))
     torch.testing.assert_close(rope_triton(q, cos, sin), rope_torch(q, cos, sin), atol=3e-2, rtol=1e-2)
+
+
+def test_strided_views_of_a_fused_projection(device):
+    """The engine slices q/k heads and gate/up halves out of fused GEMM outputs: no copies, same values."""
+    qkv = torch.randn(5, 4 + 2 + 2, 16).to(device).requires_grad_()
+    w = (torch.randn(16) * 0.1 + 1).to(device)
+    k = qkv[:, 4:6]  # [5, 2, 16], strides (128, 16, 1)
+    out = rmsnorm_triton(k, w, 1e-6)
+    torch.testing.assert_close(out, rmsnorm_torch(k.contiguous(), w, 1e-6), atol=1e-5, rtol=1e-5)
+    (g1,) = _grads(out, (qkv,))
+    (g2,) = _grads(rmsnorm_torch(k, w, 1e-6), (qkv,))
+    torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-5)
+    gu = torch.randn(6, 2 * 300).to(device).requires_grad_()
+    gate, up = gu.chunk(2, -1)
+    out = swiglu_triton(gate, up)
+    torch.testing.assert_close(out, swiglu_torch(gate, up), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_grads(out, (gu,))[0], _grads(swiglu_torch(gate, up), (gu,))[0], atol=1e-5, rtol=1e-5)

@@ -18,11 +18,11 @@ from miles_nvidia.runtime import triton_ok
 
 
 @triton.jit
-def _rmsnorm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, N, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _rmsnorm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, N, H, s_outer, s_inner, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)  # row (a, h) of x viewed as [A, H, N] with strides (s_outer, s_inner, 1)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + (row // H) * s_outer + (row % H) * s_inner + cols, mask=mask, other=0.0)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
     xh = (xf * rstd).to(x.dtype)
@@ -36,12 +36,18 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).contiguous()
-        rows, n = x2.shape
+        if x.dim() == 3 and x.stride(-1) == 1:  # e.g. the q or k heads sliced out of a fused qkv output: no copy
+            x3 = x
+        else:
+            x3 = x.reshape(-1, 1, shape[-1]).contiguous()
+        n = shape[-1]
+        rows = x3.shape[0] * x3.shape[1]
         y = torch.empty(rows, n, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         if rows:
-            _rmsnorm_fwd[(rows,)](x2, weight.contiguous(), y, rstd, n, float(eps), BLOCK=triton.next_power_of_2(n))
+            _rmsnorm_fwd[(rows,)](x3, weight.contiguous(), y, rstd, n, x3.shape[1], x3.stride(0), x3.stride(1), float(eps),
+                                  BLOCK=triton.next_power_of_2(n))
+        x2 = x3.reshape(rows, n) if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] else x3.new_empty(0, n)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape = shape
         return y.view(*shape[:-1], n)

@@ -17,11 +17,12 @@ BLOCK = 1024
 
 
 @triton.jit
-def _swiglu_fwd(g_ptr, u_ptr, o_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _swiglu_fwd(g_ptr, u_ptr, o_ptr, n, cols, s_row, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # flat index into the contiguous output
     mask = offs < n
-    a = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    src = (offs // cols) * s_row + offs % cols  # inputs: rows of ``cols`` elements, ``s_row`` apart
+    a = tl.load(g_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(u_ptr + src, mask=mask, other=0.0).to(tl.float32)
     out = a * tl.sigmoid(a) * b
     tl.store(o_ptr + offs, out.to(o_ptr.dtype.element_ty), mask=mask)
 
@@ -41,12 +42,17 @@ def _swiglu_bwd(g_ptr, u_ptr, d_ptr, dg_ptr, du_ptr, n, BLOCK: tl.constexpr):
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
-        gate, up = gate.contiguous(), up.contiguous()
-        out = torch.empty_like(gate)
+        # the two halves of a fused gate/up output ([rows, I] views, one row stride) are read in place
+        strided = gate.dim() == 2 and gate.stride() == up.stride() and gate.stride(-1) == 1
+        if not strided:
+            gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         n = gate.numel()
         if n:
-            _swiglu_fwd[(triton.cdiv(n, BLOCK),)](gate, up, out, n, BLOCK=BLOCK)
-        ctx.save_for_backward(gate, up)
+            cols = gate.shape[-1]
+            _swiglu_fwd[(triton.cdiv(n, BLOCK),)](gate, up, out, n, cols, gate.stride(0) if strided else cols, BLOCK=BLOCK)
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            ctx.save_for_backward(gate.contiguous(), up.contiguous())
         return out
 
     @staticmethod
