@@ -119,6 +119,7 @@ def miles_config(args):
     overrides = [f"run.device={args.device}", f"data.num_eval={args.eval_n}"]
     if args.model:
         overrides.append(f"model.hf_checkpoint={args.model}")
+    overrides += args.miles_set  # Miles-only settings (e.g. train.compile=true); the table's title lists them
     for key, value in (("run.num_rollout", args.steps), ("rollout.batch_size", args.batch),
                        ("rollout.n_samples_per_prompt", args.group), ("rollout.max_response_len", args.max_new_tokens),
                        ("train.lr", args.lr), ("train.precision", args.precision), ("run.seed", args.seed)):
@@ -206,6 +207,7 @@ def run_trl(cfg, c, prompts, eval_prompts, accum: int) -> dict:
         def on_step_end(self, *_a, **_k):
             timing["step_s"].append(time.perf_counter() - self.t0)
             self.t0 = None
+            print(f"trl step {len(timing['step_s'])}: {timing['step_s'][-1]:.2f} s", flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer = GRPOTrainer(model=hf, reward_funcs=reward, args=trl_args(cfg, tmp, accum), train_dataset=data,
@@ -274,6 +276,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--trl-accum", type=int, default=1, help="TRL micro-batches per step (memory only)")
     ap.add_argument("--only", choices=["miles", "trl"])
+    ap.add_argument("--miles-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an extra Miles config override (repeatable), e.g. train.compile=true")
+    ap.add_argument("--tag", default="", help="suffix of the JSON file written to $OUT (vs_trl<tag>.json)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
@@ -303,7 +308,8 @@ def report(cfg, args, rows: list[dict], eval_n: int) -> None:
     r = cfg.rollout
     title = (f"SmolLM2-135M-Instruct, reasoning-gym {cfg.data.task_options.get('dataset')}: {cfg.run.num_rollout} steps, "
              f"{r.batch_size} prompts x {r.n_samples_per_prompt}, {r.max_response_len} new tokens, lr {cfg.train.lr}, "
-             f"device {cfg.run.device}, held-out n={eval_n}")
+             f"device {cfg.run.device}, held-out n={eval_n}"
+             + (f", Miles: {' '.join(args.miles_set)}" if args.miles_set else ""))
     table = Table(title=title)
     for col in ("framework", "s/step", "rollout tok/s", "train tok/s", "peak mem GiB", "acc before", "acc after"):
         table.add_column(col, justify="right")
@@ -316,7 +322,7 @@ def report(cfg, args, rows: list[dict], eval_n: int) -> None:
     if os.environ.get("OUT"):
         out = Path(os.environ["OUT"])
         out.mkdir(parents=True, exist_ok=True)
-        (out / "vs_trl.json").write_text(json.dumps({"title": title, "args": vars(args), "rows": rows}, indent=2))
+        (out / f"vs_trl{args.tag}.json").write_text(json.dumps({"title": title, "args": vars(args), "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":
