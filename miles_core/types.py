@@ -60,7 +60,9 @@ class TrainBatch:
     response_lens: torch.Tensor  # [N] int64
     response_mask: torch.Tensor  # [N, T] float, 1 where a response token is trained on
     advantages: torch.Tensor  # [N, T] float
-    old_logprobs: torch.Tensor  # [N, T] float, logprobs under the policy that sampled (trainer-side)
+    # [N, T] float, logprobs under the policy that sampled (trainer-side); None: the trainer takes its
+    # training forward's own, detached (on-policy, train.old_logprobs=auto)
+    old_logprobs: torch.Tensor | None
     rollout_logprobs: torch.Tensor  # [N, T] float, logprobs reported by the rollout engine
     ref_logprobs: torch.Tensor | None = None  # [N, T], frozen reference model
     returns: torch.Tensor | None = None  # [N, T], value targets (PPO)

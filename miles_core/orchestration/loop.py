@@ -89,8 +89,10 @@ def rl_step(c: Components, trainer, aux: AuxModels, samples: list[Sample], metri
     if not samples:  # dynamic sampling found no informative group: nothing to train on
         return {**metrics, "reward_mean": float("nan"), "skipped": 1.0}
     batch = make_train_batch(samples, tok.pad_token_id)
+    reuse = (cfg.train.old_logprobs == "auto" and cfg.train.updates_per_rollout == 1 and not algo.needs_reference
+             and aux.teacher is None and aux.critic is None and getattr(trainer, "on_policy_old_logprobs", False))
     with timer("logprobs"):
-        batch.old_logprobs = trainer.compute_logprobs(batch)
+        batch.old_logprobs = None if reuse else trainer.compute_logprobs(batch)
         if cfg.algorithm.needs_reference:
             batch.ref_logprobs = trainer.compute_ref_logprobs(batch)
         if aux.teacher is not None:
@@ -118,14 +120,15 @@ def rl_step(c: Components, trainer, aux: AuxModels, samples: list[Sample], metri
     mask = batch.response_mask
     n_tokens = float(mask.sum())
     metrics.update(advantage_metrics(batch.advantages, mask))
-    metrics.update(mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, mask))
+    if batch.old_logprobs is not None:  # else the trainer reported the mismatch (miles_core.train.on_policy)
+        metrics.update(mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, mask))
+        metrics["mismatch_abs"] = float(((batch.rollout_logprobs - batch.old_logprobs).abs() * mask).sum() / max(n_tokens, 1))
     if batch.teacher_logprobs is not None:
         metrics["distill_reverse_kl"] = float(masked_mean(batch.old_logprobs - batch.teacher_logprobs, mask))
     metrics.update(
         reward_mean=sum(rewards) / len(rewards),
         train_accuracy=sum(c.task.score(s.response, s.label) >= 1.0 for s in samples) / len(samples),
         response_len=n_tokens / len(samples),
-        mismatch_abs=float(((batch.rollout_logprobs - batch.old_logprobs).abs() * mask).sum() / max(n_tokens, 1)),
         rollout_tok_s=n_tokens / max(metrics.get("time_generate", 0.0), 1e-9),
     )
     return metrics

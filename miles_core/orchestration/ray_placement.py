@@ -148,6 +148,8 @@ class RayBackend:
 
 
 class RayTrainer:
+    on_policy_old_logprobs = True  # train_step accepts batch.old_logprobs=None (Trainer.train_step)
+
     def __init__(self, actors: list) -> None:
         self.actors = actors
 

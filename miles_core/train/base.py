@@ -26,8 +26,16 @@ class Trainer(Protocol):
     def reset_reference(self) -> None:
         """Make the KL reference a frozen copy of the current weights (called as RL starts)."""
 
+    # True if train_step accepts batch.old_logprobs=None (see train_step); the loop then skips the
+    # separate old-policy pass where it may (train.old_logprobs=auto)
+    on_policy_old_logprobs: bool
+
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over ``batch`` (split into micro-batches), returning metrics."""
+        """One optimizer step over ``batch`` (split into micro-batches), returning metrics.
+
+        With ``batch.old_logprobs is None`` the loss sees the forward's own logprobs, detached, as the
+        old ones (the weights do not change within the step, so they are what a separate pass would
+        give), and the metrics include mismatch_kl, mismatch_k1 and mismatch_abs (engine vs trainer)."""
 
     def weights(self) -> Mapping[str, torch.Tensor]:
         """The current weights to push to rollout engines (names as in the model)."""

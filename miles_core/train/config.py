@@ -26,6 +26,10 @@ class TrainConfig:
     lr_decay_steps: int = 0  # cosine length; 0 = the rest of the run
     min_lr: float = 0.0  # cosine floor
     updates_per_rollout: int = 1  # optimizer steps per rollout batch (the batch is split evenly)
+    # auto: when nothing reads the old-policy logprobs before training (one optimizer step per rollout,
+    # no KL reference, teacher or critic), the training forward's own logprobs, detached, stand in for
+    # them: the same numbers a separate pass would give, one forward pass fewer. recompute: always a pass.
+    old_logprobs: str = "auto"
     sft_warmup_steps: int = 0  # supervised steps on the task's reference answers before RL
     sft_batch_size: int = 64
     sft_lr: float | None = None  # None = lr
@@ -34,6 +38,8 @@ class TrainConfig:
     def validate(self) -> None:
         if self.lr <= 0:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if self.old_logprobs not in ("auto", "recompute"):
+            raise ConfigError(f"train.old_logprobs must be auto or recompute, got {self.old_logprobs!r}")
         if self.micro_batch_size < 1:
             raise ConfigError(f"train.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.max_tokens_per_micro_batch < 1:

@@ -31,6 +31,7 @@ from miles_core.train.base import LossFn
 from miles_core.train.distributed import all_reduce_sum, init_from_env
 from miles_core.train.fsdp import checkpoint_blocks, full_tensor, shard
 from miles_core.train.lr import lr_at
+from miles_core.train.on_policy import on_policy_old
 from miles_core.train.packing import PackedMicroBatch, SegmentAttention, micro_batch_plan, pack
 from miles_core.types import LossInputs, TrainBatch
 
@@ -61,6 +62,8 @@ class PolicyForward(nn.Module):
 
 
 class TorchTrainer:
+    on_policy_old_logprobs = True  # train_step accepts batch.old_logprobs=None (Trainer.train_step)
+
     def __init__(self, model: nn.Module, cfg: MilesConfig, device: torch.device, precision: PrecisionRecipe, kernels: Kernels):
         self.cfg = cfg
         self.dist, self.device = init_from_env(device)
@@ -166,7 +169,7 @@ class TorchTrainer:
             mask = mb.response_mask.to(dev)
             inputs = LossInputs(
                 logprobs=logp * mask,
-                old_logprobs=mb.old_logprobs.to(dev),
+                old_logprobs=on_policy_old(logp * mask, mb, mask, num_tokens, sums),
                 advantages=mb.advantages.to(dev),
                 response_mask=mask,
                 rollout_logprobs=mb.rollout_logprobs.to(dev),

@@ -34,10 +34,13 @@ from miles_core.train.megatron import convert
 from miles_core.train.megatron.arch import Arch
 from miles_core.train.megatron.build import build_gpt, init_parallel, padded_vocab
 from miles_core.train.megatron.logprobs import vocab_parallel_logprobs
+from miles_core.train.on_policy import on_policy_old
 from miles_core.types import LossInputs, TrainBatch
 
 
 class MegatronTrainer:
+    on_policy_old_logprobs = True  # train_step accepts batch.old_logprobs=None (Trainer.train_step)
+
     def __init__(self, arch: Arch, hf_state: Mapping[str, torch.Tensor], cfg: MilesConfig, device: torch.device,
                  precision: PrecisionRecipe, kernels: Kernels):
         from megatron.core import parallel_state as ps
@@ -271,7 +274,7 @@ class MegatronTrainer:
             mask = mb.response_mask.to(dev)
             inputs = LossInputs(
                 logprobs=logp,
-                old_logprobs=mb.old_logprobs.to(dev),
+                old_logprobs=on_policy_old(logp, mb, mask, num_tokens, sums),
                 advantages=mb.advantages.to(dev),
                 response_mask=mask,
                 rollout_logprobs=mb.rollout_logprobs.to(dev),
