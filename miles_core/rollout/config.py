@@ -17,6 +17,9 @@ class RolloutConfig:
     top_k: int = 0  # 0 disables top-k
     stop: list[str] = field(default_factory=list)  # stop strings, besides the tokenizer's eos
     max_batch_size: int = 512  # sequences the engine decodes at once
+    # built-in engine: decode steps between two host syncs (0 = its default, 8). Larger leaves the GPU
+    # fewer idle gaps; a sequence that ends inside a window waits for the window's end.
+    decode_steps: int = 0
     sglang: SglangConfig = field(default_factory=SglangConfig)  # rollout.backend=sglang
 
     def validate(self) -> None:
@@ -30,6 +33,8 @@ class RolloutConfig:
             raise ConfigError(f"rollout.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.decode_steps < 0:
+            raise ConfigError(f"rollout.decode_steps must be >= 0, got {self.decode_steps}")
         if self.top_k < 0:
             raise ConfigError(f"rollout.top_k must be >= 0, got {self.top_k}")
         self.sglang.validate()

@@ -1,15 +1,19 @@
 from miles_core.hookspecs import hookimpl
 from miles_core.plugins.registry import Registry
 from miles_core.rollout.engine import BuiltinEngine
+from miles_core.rollout.engine_core.config import EngineConfig
 from miles_core.rollout.sglang.factory import sglang_backend
 
 
 def _builtin(ctx, model):
     cfg = ctx.config
     precision = ctx.plugins.registries.precision_recipes.get(cfg.train.precision, key="train.precision")
+    engine = None
+    if cfg.rollout.decode_steps:
+        engine = EngineConfig(max_num_seqs=min(cfg.rollout.max_batch_size, 256), decode_steps=cfg.rollout.decode_steps)
     return BuiltinEngine(
         model, ctx.tokenizer, ctx.device, cfg.rollout.max_batch_size, seed=cfg.run.seed,
-        precision=precision, kernels=ctx.kernels,
+        config=engine, precision=precision, kernels=ctx.kernels,
     )
 
 

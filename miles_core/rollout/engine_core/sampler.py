@@ -119,6 +119,11 @@ def sample(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor):
             lo = torch.full_like(st.temperature, float("-inf"))
         tok, lp = triton_sample.sample_rows(logits, st.temperature, lo, row_hash(st.seeds, counters), st.any_sampled)
         return tok, lp, None
+    return sample_torch(logits, st, counters)
+
+
+def sample_torch(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor):
+    """:func:`sample` in plain torch (the reference; the path on CPU and for top logprobs)."""
     z = logits.float()
     greedy = st.temperature <= 0
     temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
