@@ -2,14 +2,20 @@
 # The H200 runs behind the figures in docs/, batched into few device calls.
 #   bash benchmarks/gpu_session.sh nvidia     # miles_nvidia GPU tests + kernel/FP8/batch-invariant benchmarks
 #   bash benchmarks/gpu_session.sh train      # torch + Megatron trainer benchmarks, chunked-logprob memory
-#   bash benchmarks/gpu_session.sh rollout    # built-in engine vs transformers generate
+#   bash benchmarks/gpu_session.sh rollout    # built-in engine vs transformers generate (greedy, sampled, decode_steps 32)
+#   bash benchmarks/gpu_session.sh gputests   # every GPU-marked test of the core and miles_nvidia
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
 # Logs and JSON go to $OUT (the device tool brings them back).
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 mkdir -p .pyshim && ln -sfn "$PWD/cli" .pyshim/miles_cli
-export PYTHONPATH=$PWD:$PWD/.pyshim:$PWD/plugins/miles_nvidia
+# miles_nvidia from the checkout, visible to the plugin manager's entry-point scan (its kernels in
+# the trainer and the engine), as a pip install would make it
+d=/tmp/site/miles_nvidia-0.1.0.dist-info; mkdir -p $d
+printf 'Metadata-Version: 2.1\nName: miles-nvidia\nVersion: 0.1.0\n' > $d/METADATA
+printf '[miles]\nmiles_nvidia = miles_nvidia.plugin\n' > $d/entry_points.txt
+export PYTHONPATH=$PWD:$PWD/.pyshim:$PWD/plugins/miles_nvidia:/tmp/site
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for part in "$@"; do
@@ -25,8 +31,13 @@ for part in "$@"; do
       python3 benchmarks/logprob_memory.py --device cuda 2>&1 | tee "$OUT/logprob_memory.log" | tail -12
       python3 benchmarks/train_bench.py --preset qwen3-0.6b --device cuda --steps 5 --warmup 2 --no-memory-table 2>&1 | tee "$OUT/train_bench_torch.log" | tail -12
       python3 benchmarks/train_bench.py --preset qwen3-0.6b --device cuda --steps 5 --warmup 2 --no-memory-table --backend megatron 2>&1 | tee "$OUT/train_bench_megatron.log" | tail -12 ;;
+    gputests)
+      python3 -m pytest -q -rf --tb=short -m gpu tests/rollout tests/test_trainer_gpu.py tests/algorithms/test_gpu.py plugins/miles_nvidia/tests 2>&1 \
+        | tee "$OUT/gpu_tests.log" | grep -v "^\s*$" | tail -40 ;;
     rollout)
-      python3 -m pytest -q tests/rollout/test_gpu_engine.py 2>&1 | tail -5; python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench.log" | tail -25 ;;
+      python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench.log" | tail -8
+      python3 benchmarks/rollout_bench.py --preset gpu --batches 64,256 --temperature 1.0 2>&1 | tee "$OUT/rollout_bench_t1.log" | tail -6
+      OUT=$OUT/ds32 python3 benchmarks/rollout_bench.py --preset gpu --batches 64,256 --skip-hf --decode-steps 32 2>&1 | tee "$OUT/rollout_bench_ds32.log" | tail -6 ;;
     sync)
       python3 -m pytest -q -rs tests/sync/test_transports_gpu.py -m gpu 2>&1 | tee "$OUT/sync_tests.log" | tail -8
       if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
