@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_session.sh train      # torch + Megatron trainer benchmarks, chunked-logprob memory
 #   bash benchmarks/gpu_session.sh rollout    # built-in engine vs transformers generate (greedy, sampled, decode_steps 32)
 #   bash benchmarks/gpu_session.sh gputests   # every GPU-marked test of the core and miles_nvidia
+#   bash benchmarks/gpu_session.sh trainprof  # torch.profiler of one compiled 16k-token train step (Qwen3-0.6B shape)
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
 # Logs and JSON go to $OUT (the device tool brings them back).
 set -u -o pipefail
@@ -38,6 +39,9 @@ for part in "$@"; do
       python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench.log" | tail -8
       python3 benchmarks/rollout_bench.py --preset gpu --batches 64,256 --temperature 1.0 2>&1 | tee "$OUT/rollout_bench_t1.log" | tail -6
       OUT=$OUT/ds32 python3 benchmarks/rollout_bench.py --preset gpu --batches 64,256 --skip-hf --decode-steps 32 2>&1 | tee "$OUT/rollout_bench_ds32.log" | tail -6 ;;
+    trainprof)
+      python3 benchmarks/profile_gpu.py train train.compile=true train.max_tokens_per_micro_batch=16384 2>&1 \
+        | tee "$OUT/profile_train_compile.log" | grep -E "^train:|Self CUDA time total" ;;
     sync)
       python3 -m pytest -q -rs tests/sync/test_transports_gpu.py -m gpu 2>&1 | tee "$OUT/sync_tests.log" | tail -8
       if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
