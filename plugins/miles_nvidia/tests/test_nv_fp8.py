@@ -115,25 +115,78 @@ def test_gpu_paths_agree(m, n, k):
         assert (out - ref).norm() / ref.norm() < 1e-2, backend
 
 
-@pytest.mark.parametrize("rows", [1, 128])
-def test_triton_quantiser_matches_torch(rows):
-    from miles_nvidia.fp8.quant import quantize_blockwise
-    from miles_nvidia.fp8.quant_triton import quantize_triton
+def _bits(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)  # e4m3 compared bit for bit (also tells -0 from +0)
 
-    m = 20 if rows == 1 else 130  # the interpreter runs one program per tile: keep them few
-    x = (torch.randn(m, 300) * torch.logspace(-2, 2, 300)).to(torch.bfloat16)
-    q, s = quantize_triton(x, rows)
-    rq, rs = quantize_blockwise(x, rows)
-    assert torch.equal(s, rs)
-    q, rq = q.float(), rq.float()
-    if torch.cuda.is_available():
-        assert torch.equal(q, rq)
-    else:
-        # Triton 3.7's interpreter rounds fp32 -> e4m3 differently from the hardware: ties go away
-        # from zero (168 -> 176, not 160) and a round-up into the next binade loses its carry
-        # (1.99 -> 1.0, not 2.0). Every other value must match exactly.
-        off = q != rq
-        carry = (q[off] * 2 == rq[off]) & (rq[off].abs().log2() % 1 == 0)
-        tie = (q[off] - rq[off]).abs() <= torch.clamp(rq[off].abs() * 2**-3, min=2**-9)  # subnormal step 2^-9
-        assert bool((carry | tie).all())
-        assert off.float().mean() < 0.05
+
+def _hard_input(m: int, k: int, device: str, seed: int = 0) -> torch.Tensor:
+    """bf16 columns spanning 6 decades, a zero row, and rows of hand-placed e4m3 rounding cases: with
+    amax 448 the scale is exactly 1, so 1.0625 is a tie (-> 1.0, even), 1.1875 a tie (-> 1.25, even),
+    1.9375 rounds up across the binade (-> 2.0), 3 * 2^-10 a subnormal tie (-> 2^-8, even)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 3, k)
+    x[1] = 0.0
+    cases = torch.tensor([448.0, 1.0625, -1.1875, 1.9375, 3 * 2**-10, -3 * 2**-10, 1.0, 0.5])
+    for r in range(2, min(m, 12), 3):
+        x[r] = cases.repeat(k // 8 + 1)[:k]
+    return x.to(torch.bfloat16).to(device)
+
+
+@pytest.mark.parametrize("m,k", [(77, 384), (200, 256)])  # M not a multiple of 128 (one ragged tile)
+def test_act_quantisers_bitwise_equal_torch(m, k, device):
+    """Triton (interpreter on CPU) vs the torch reference, bit for bit: 1x128 row tiles, the fused
+    transposed wgrad operand q(pad(x).T) and the 'both' variant (one read, both layouts)."""
+    from miles_nvidia.fp8.quant import quantize_blockwise
+    from miles_nvidia.fp8.quant_triton import quantize_act_t_triton, quantize_act_triton
+
+    x = _hard_input(m, k, device)
+    rq, rs = quantize_blockwise(x, 1)
+    assert float(rq[2, 1].float()) == 1.0 and float(rq[2, 2].float()) == -1.25 and float(rq[2, 3].float()) == 2.0
+    assert float(rq[2, 4].float()) == 2**-8 and rs[2, 0] == 1.0  # the hand-worked cases hold in the reference
+    q, s = quantize_act_triton(x)
+    assert torch.equal(_bits(q), _bits(rq)) and torch.equal(s, rs)
+    assert s.t().is_contiguous()  # M-major, as torch._scaled_mm takes it
+    mp = -(-m // 128) * 128
+    xt = torch.nn.functional.pad(x, (0, 0, 0, mp - m)).t()
+    rqt, rst = quantize_blockwise(xt, 1)
+    qt, st = quantize_act_t_triton(x)
+    assert qt.shape == (k, mp) and st.shape == (k, mp // 128) and st.t().is_contiguous()
+    assert torch.equal(_bits(qt), _bits(rqt)) and torch.equal(st, rst)
+    assert not bool(qt[:, m:].float().any())  # the token padding is zeros
+    qt2, st2, q2, s2 = quantize_act_t_triton(x, both=True)
+    assert torch.equal(_bits(qt2), _bits(rqt)) and torch.equal(st2, rst)
+    assert torch.equal(_bits(q2), _bits(rq)) and torch.equal(s2, rs)
+
+
+def test_weight_quantiser_bitwise_and_transposed(device):
+    """128x128 blocks, bit for bit, and q(W).T from the same pass equals quantising W.T."""
+    from miles_nvidia.fp8.quant import quantize_blockwise
+    from miles_nvidia.fp8.quant_triton import quantize_weight_triton
+
+    w = _hard_input(130, 256, device, seed=1)  # N not a multiple of 128
+    rq, rs = quantize_blockwise(w, 128)
+    q, s, qt = quantize_weight_triton(w, transposed=True)
+    assert torch.equal(_bits(q), _bits(rq)) and torch.equal(s, rs)
+    rqt, rst = quantize_blockwise(w.t(), 128)
+    assert torch.equal(_bits(qt), _bits(rqt)) and torch.equal(s.t(), rst)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k", [(16384, 4096), (16383, 12288), (1000, 1024)])
+def test_gpu_quantisers_bitwise_full_shapes(m, k):
+    from miles_nvidia.fp8.quant import quantize_act, quantize_act_t, quantize_blockwise, quantize_weight
+
+    x = _hard_input(m, k, "cuda")
+    rq, rs = quantize_blockwise(x, 1)
+    q, s = quantize_act(x)
+    assert torch.equal(_bits(q), _bits(rq)) and torch.equal(s, rs)
+    mp = -(-m // 128) * 128
+    rqt, rst = quantize_blockwise(torch.nn.functional.pad(x, (0, 0, 0, mp - m)).t(), 1)
+    qt, st, q2, s2 = quantize_act_t(x, both=True)
+    assert torch.equal(_bits(qt), _bits(rqt)) and torch.equal(st, rst)
+    assert torch.equal(_bits(q2), _bits(rq)) and torch.equal(s2, rs)
+    assert torch.equal(_bits(quantize_act_t(x)[0]), _bits(rqt))
+    w = x[:4096].contiguous()
+    rqw, rsw = quantize_blockwise(w, 128)
+    qw, sw, qwt = quantize_weight(w, transposed=True)
+    assert torch.equal(_bits(qw), _bits(rqw)) and torch.equal(sw, rsw) and torch.equal(_bits(qwt), _bits(rqw.t().contiguous()))
