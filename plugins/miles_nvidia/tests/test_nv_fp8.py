@@ -190,3 +190,77 @@ def test_gpu_quantisers_bitwise_full_shapes(m, k):
     rqw, rsw = quantize_blockwise(w, 128)
     qw, sw, qwt = quantize_weight(w, transposed=True)
     assert torch.equal(_bits(qw), _bits(rqw)) and torch.equal(sw, rsw) and torch.equal(_bits(qwt), _bits(rqw.t().contiguous()))
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0))
+
+
+def _fp8_vs_bf16_grads(m, n, k, device, backend):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * 0.02).to(device, torch.bfloat16)
+    dy = torch.randn(m, n, generator=g).to(device, torch.bfloat16)
+    lin = Fp8Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    lin.fp8_backend = backend
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    xa = x.clone().requires_grad_()
+    y = lin(xa)
+    y.backward(dy)
+    xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = xb @ wb.t()
+    ref.backward(dy)
+    assert lin.weight.grad.dtype == torch.bfloat16 and xa.grad.dtype == torch.bfloat16
+    return _cos(y, ref), _cos(xa.grad, xb.grad), _cos(lin.weight.grad, wb.grad)
+
+
+def test_fp8_linear_module_grads_match_bf16():
+    """Fp8Linear (torch quantisers + emulated GEMM on CPU) vs the bf16 linear, M = 132 tokens (the
+    wgrad reduction is zero-padded to 256): output, dx and dW cosines."""
+    for c in _fp8_vs_bf16_grads(132, 384, 256, "cpu", "emulated"):
+        assert c > 0.99, c
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_gpu_fp8_linear_module_grads_match_bf16(backend):
+    """Qwen3-8B qkv shape with a ragged token count, through the Triton quantisers on the GPU."""
+    for c in _fp8_vs_bf16_grads(4095, 6144, 4096, "cuda", backend):
+        assert c > 0.99, c
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw", "adamw_foreach"])
+def test_weight_cache_reused_until_the_optimizer_steps(opt):
+    """Two micro-batches of one step reuse one quantisation of W (same tensors); the in-place
+    optimizer step bumps W._version, so the next forward re-quantises and equals a fresh fp8_linear."""
+    from miles_nvidia.fp8.linear import clear_fp8_cache
+
+    torch.manual_seed(0)
+    lin = Fp8Linear(256, 384, bias=False, dtype=torch.bfloat16)
+    lin.fp8_backend = "emulated"
+    x, dy = torch.randn(2, 33, 256, dtype=torch.bfloat16), torch.randn(2, 33, 384, dtype=torch.bfloat16)
+    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1), "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False),
+            "adamw_foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True)}[opt]
+    optim = make(lin.parameters())
+    y1 = lin(x)
+    first = lin.fp8_cache.value
+    y1.backward(dy)
+    y2 = lin(x)
+    y2.backward(dy)
+    assert lin.fp8_cache.quantisations == 1 and lin.fp8_cache.value is first and torch.equal(y1, y2)
+    optim.step()
+    y3 = lin(x)
+    assert lin.fp8_cache.quantisations == 2 and lin.fp8_cache.value is not first
+    assert not torch.equal(y3, y1) and torch.equal(y3, fp8_linear(x, lin.weight, "emulated"))
+    assert torch.equal(lin.fp8_cache.value.q.view(torch.uint8), quantize_weight(lin.weight)[0].view(torch.uint8))
+    lin.load_state_dict({"weight": torch.zeros(384, 256)})  # copy_ under no_grad bumps the version too
+    assert not lin(x).any() and lin.fp8_cache.quantisations == 3
+    with torch.no_grad():
+        lin.weight.data.fill_(1.0)  # through .data: invisible to the version counter...
+    assert not lin(x).any()  # ...so the stale cache is used
+    clear_fp8_cache(lin)
+    assert lin(x).abs().sum() > 0 and lin.fp8_cache.quantisations == 1
+    with torch.inference_mode():
+        lin(x)
+    assert lin.fp8_cache.quantisations == 1  # inference mode never fills the cache
