@@ -103,15 +103,16 @@ def test_fp8_recipe_trains_the_tiny_model():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("b_rows", [128, 1])  # 1: the wgrad GEMM (both operands in 1x128 tiles)
 @pytest.mark.parametrize("m,n,k", [(4096, 4096, 4096), (16384, 12288, 4096), (1000, 1024, 1024)])
-def test_gpu_paths_agree(m, n, k):
+def test_gpu_paths_agree(m, n, k, b_rows):
     a = torch.randn(m, k, device="cuda")
     b = torch.randn(n, k, device="cuda") * 0.02
     aq, sa = quantize_act(a)
-    bq, sb = quantize_weight(b)
-    ref = fp8_gemm_emulated(aq, sa, bq, sb, 128, torch.float32)
-    for backend in ("scaled_mm", "triton"):
-        out = fp8_gemm(aq, sa, bq, sb, 128, torch.bfloat16, backend).float()
+    bq, sb = quantize_weight(b) if b_rows == 128 else quantize_act(b)
+    ref = fp8_gemm_emulated(aq, sa, bq, sb, b_rows, torch.float32)
+    for backend in ("scaled_mm", "triton"):  # named, not "auto": a scaled_mm failure must not fall back silently
+        out = fp8_gemm(aq, sa, bq, sb, b_rows, torch.bfloat16, backend).float()
         assert (out - ref).norm() / ref.norm() < 1e-2, backend
 
 
@@ -193,7 +194,7 @@ def test_gpu_quantisers_bitwise_full_shapes(m, k):
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0))
+    return float(torch.nn.functional.cosine_similarity(a.detach().float().flatten(), b.detach().float().flatten(), dim=0))
 
 
 def _fp8_vs_bf16_grads(m, n, k, device, backend):
@@ -264,3 +265,20 @@ def test_weight_cache_reused_until_the_optimizer_steps(opt):
     with torch.inference_mode():
         lin(x)
     assert lin.fp8_cache.quantisations == 1  # inference mode never fills the cache
+
+
+def test_scaled_mm_scale_layouts_pass_torch_checks():
+    """The three GEMMs of a linear, on meta tensors laid out as the Triton quantisers return them:
+    torch's _scaled_mm shape/stride checks run without a GPU (a rejected layout raises here instead of
+    falling back to Triton silently on the H200, as the first wgrad layout did)."""
+    from miles_nvidia.fp8.gemm import fp8_gemm_scaled_mm
+
+    m, n, k = 384, 256, 640  # tokens, out, in
+    f8 = dict(dtype=torch.float8_e4m3fn, device="meta")
+    act_scale = lambda rows, cols: torch.empty(-(-cols // 128), rows, device="meta").t()  # noqa: E731  [rows, cols/128], rows-major
+    w, wt = torch.empty(n, k, **f8), torch.empty(k, n, **f8)
+    sw = torch.empty(n // 128, k // 128, device="meta")
+    y = fp8_gemm_scaled_mm(torch.empty(m, k, **f8), act_scale(m, k), w, sw, 128)  # forward
+    dx = fp8_gemm_scaled_mm(torch.empty(m, n, **f8), act_scale(m, n), wt, sw.t().contiguous(), 128)  # dgrad
+    dw = fp8_gemm_scaled_mm(torch.empty(n, m, **f8), act_scale(n, m), torch.empty(k, m, **f8), act_scale(k, m), 1)  # wgrad
+    assert y.shape == (m, n) and dx.shape == (m, k) and dw.shape == (n, k)
