@@ -105,6 +105,10 @@ def _weight_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, s_wn, s_qn, s_qtk, s_sn,
     tl.store(s_ptr + tl.program_id(0) * s_sn + tl.program_id(1), scale)
 
 
+def _warps(n: int) -> dict:
+    return {} if interpreting() else {"num_warps": n}
+
+
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:
     assert x.dim() == 2, x.shape
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -120,7 +124,7 @@ def quantize_act_triton(x: torch.Tensor, block_m: int | None = None) -> tuple[to
     if m and k:
         _act_rows_kernel[(triton.cdiv(k, BLOCK), triton.cdiv(m, bm))](
             x, q, st, m, k, x.stride(0), q.stride(0), st.stride(0),
-            BLOCK_M=bm, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting())
+            BLOCK_M=bm, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(4))
     return q, st.t()
 
 
@@ -139,7 +143,7 @@ def quantize_act_t_triton(x: torch.Tensor, both: bool = False):
     if mp and k:
         _act_cols_kernel[(mp // BLOCK, triton.cdiv(k, bk))](
             x, qt, stt, q, sr, m, k, x.stride(0), qt.stride(0), stt.stride(0), q.stride(0), sr.stride(0),
-            BLOCK_K=bk, TILE=BLOCK, QMAX=E4M3_MAX, ROWS_TOO=both, EMULATE_RNE=interpreting())
+            BLOCK_K=bk, TILE=BLOCK, QMAX=E4M3_MAX, ROWS_TOO=both, EMULATE_RNE=interpreting(), **_warps(8 if both else 4))
     return (qt, stt.t(), q, sr.t()) if both else (qt, stt.t())
 
 
@@ -154,6 +158,5 @@ def quantize_weight_triton(w: torch.Tensor, transposed: bool = False):
     if n and k:
         _weight_kernel[(s.shape[0], s.shape[1])](
             w, q, qt, s, n, k, w.stride(0), q.stride(0), qt.stride(0), s.stride(0),
-            TILE=BLOCK, QMAX=E4M3_MAX, TRANSPOSED=transposed, EMULATE_RNE=interpreting(),
-            **({} if interpreting() else dict(num_warps=8)))
+            TILE=BLOCK, QMAX=E4M3_MAX, TRANSPOSED=transposed, EMULATE_RNE=interpreting(), **_warps(8))
     return (q, s, qt) if transposed else (q, s)
