@@ -133,7 +133,7 @@ def _hard_input(m: int, k: int, device: str, seed: int = 0) -> torch.Tensor:
     return x.to(torch.bfloat16).to(device)
 
 
-@pytest.mark.parametrize("m,k", [(77, 384), (200, 256)])  # M not a multiple of 128 (one ragged tile)
+@pytest.mark.parametrize("m,k", [(77, 384), (200, 256), (45, 320)])  # ragged token tiles; K = 320: a ragged column block
 def test_act_quantisers_bitwise_equal_torch(m, k, device):
     """Triton (interpreter on CPU) vs the torch reference, bit for bit: 1x128 row tiles, the fused
     transposed wgrad operand q(pad(x).T) and the 'both' variant (one read, both layouts)."""
@@ -282,3 +282,27 @@ def test_scaled_mm_scale_layouts_pass_torch_checks():
     dx = fp8_gemm_scaled_mm(torch.empty(m, n, **f8), act_scale(m, n), wt, sw.t().contiguous(), 128)  # dgrad
     dw = fp8_gemm_scaled_mm(torch.empty(n, m, **f8), act_scale(n, m), torch.empty(k, m, **f8), act_scale(k, m), 1)  # wgrad
     assert y.shape == (m, n) and dx.shape == (m, k) and dw.shape == (n, k)
+
+
+def test_quantisers_compile_for_sm90_with_exact_division_and_rne_cast():
+    """Ahead-of-time compile of the GPU configurations for sm90 (no GPU needed: Triton's bundled
+    ptxas; in a subprocess, as this one runs under the interpreter): the PTX must divide with div.rn
+    (IEEE) and cast with cvt.rn.satfinite.e4m3x2 (round to nearest even), the two operations the
+    bitwise equality with torch rests on, and ptxas must not spill."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("sm90_ptx.py")
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    if run.returncode == 3:  # a Triton build without the NVIDIA toolchain
+        pytest.skip(run.stdout.strip())
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout)
+    assert len(report) == 4
+    for name, r in report.items():
+        assert r["div_rn"] and not r["div_approx"] and r["cvt_rne_e4m3"], (name, r)
+        assert r["spill_bytes"] == 0, (name, r)
