@@ -213,6 +213,7 @@ def _fp8_vs_bf16_grads(m, n, k, device, backend):
     ref = xb @ wb.t()
     ref.backward(dy)
     assert lin.weight.grad.dtype == torch.bfloat16 and xa.grad.dtype == torch.bfloat16
+    assert lin.fp8_cache.quantisations == 1 and torch.equal(_bits(lin.fp8_cache.value.qt), _bits(quantize_weight(w)[0].t().contiguous()))
     return _cos(y, ref), _cos(xa.grad, xb.grad), _cos(lin.weight.grad, wb.grad)
 
 
@@ -306,3 +307,28 @@ def test_quantisers_compile_for_sm90_with_exact_division_and_rne_cast():
     for name, r in report.items():
         assert r["div_rn"] and not r["div_approx"] and r["cvt_rne_e4m3"], (name, r)
         assert r["spill_bytes"] == 0, (name, r)
+
+
+def test_trainer_optimizer_step_invalidates_the_weight_cache():
+    """The cache relies on the optimizer bumping W._version. torch's fused optimizers (fused=True)
+    do not (torch 2.13: the weights change, the counter stays), so a TorchTrainer whose optimizer
+    became fused would train on stale FP8 weights: this guards the trainer's optimizer."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from nvidia_helpers import tiny_pair
+
+    trainer, _, _ = tiny_pair("fp8", "cpu", "cpu", hidden_size=128, num_heads=4, head_dim=32, intermediate_size=256)
+    lins = [m for m in trainer.model.modules() if isinstance(m, Fp8Linear)]
+    assert len(lins) >= 4  # q_proj, o_proj, gate/up/down of each layer (k/v are 64 wide: not converted)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    for lin in lins:
+        lin(x[:, : lin.in_features] if lin.in_features == 128 else torch.randn(3, lin.in_features, dtype=torch.bfloat16))
+    for p in trainer.model.parameters():
+        p.grad = torch.randn_like(p)
+    trainer.optimizer.step()
+    for lin in lins:
+        y = lin(torch.ones(2, lin.in_features, dtype=torch.bfloat16))
+        assert lin.fp8_cache.quantisations == 2, "the optimizer step did not invalidate the FP8 weight cache"
+        assert torch.equal(y, fp8_linear(torch.ones(2, lin.in_features, dtype=torch.bfloat16), lin.weight, lin.fp8_backend))

@@ -12,9 +12,12 @@ Weight cache (departure from DeepSeek-V3's "quantise on the fly" and from this m
 version): :class:`Fp8Linear` keeps, on the module instance, one quantisation of its weight --
 ``q(W)``, its block scales and ``q(W).T`` for the dgrad GEMM (128x128 block scales do not change under
 transposition, so one pass gives both) -- keyed on ``(data_ptr, W._version, shape, dtype)``. Autograd
-bumps ``_version`` on every in-place write (optimizer steps, ``load_state_dict``, ``copy_``), so
-the cache is recomputed exactly when the weight changes, and reused across the micro-batches of one
-step and by activation-checkpointing recomputes. Costs 2 bytes per weight element of GPU memory.
+bumps ``_version`` on every in-place write through the parameter (for-loop and foreach optimizer
+steps, ``load_state_dict``, ``copy_``), so the cache is recomputed exactly when the weight changes,
+and reused across the micro-batches of one step and by activation-checkpointing recomputes. Costs
+2 bytes per weight element of GPU memory. Caution: torch's *fused* optimizers (``fused=True``) change
+the weights without bumping ``_version`` (torch 2.13), so they need :func:`clear_fp8_cache` after each
+step; the trainer's AdamW is foreach/for-loop (guarded by a test).
 Not cached (quantised every forward, as before): under ``torch.distributed`` (FSDP2 all-gathers new
 values into the same unsharded storage with the version counter preserved, see
 ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``), under ``torch.compile`` tracing and
