@@ -69,14 +69,14 @@ def _quant(x, scale, QMAX: tl.constexpr):
 @triton.jit
 def _act_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm, s_sk,
                      BLOCK_M: tl.constexpr, TILE: tl.constexpr, QMAX: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    rk = tl.program_id(0) * TILE + tl.arange(0, TILE)
-    rm = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M*K may pass 2^31
+    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M*K may pass 2^31
+    rk = tl.program_id(1) * TILE + tl.arange(0, TILE)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     x = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = _scale(tl.max(tl.abs(x), 1)[:, None], QMAX)  # [BLOCK_M, 1]
     q = _quant(x, scale, QMAX)
     tl.store(q_ptr + rm[:, None] * s_qm + rk[None, :], _to_e4m3(q, EMULATE_RNE), mask=mask)
-    tl.store(s_ptr + tl.program_id(0) * s_sk + rm[:, None], scale, mask=rm[:, None] < M)
+    tl.store(s_ptr + tl.program_id(1) * s_sk + rm[:, None], scale, mask=rm[:, None] < M)
 
 
 @triton.jit
@@ -150,7 +150,7 @@ def quantize_act_triton(x: torch.Tensor, block_m: int | None = None) -> tuple[to
     q = torch.empty(m, k, dtype=E4M3, device=x.device)
     st = torch.empty(triton.cdiv(k, BLOCK), m, dtype=torch.float32, device=x.device)
     if m and k:
-        _act_rows_kernel[(triton.cdiv(k, BLOCK), triton.cdiv(m, bm))](
+        _act_rows_kernel[(triton.cdiv(m, bm), triton.cdiv(k, BLOCK))](  # tokens on grid x (no 65535 cap)
             x, q, st, m, k, x.stride(0), q.stride(0), st.stride(0),
             BLOCK_M=bm, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(8))
     return q, st.t()
