@@ -220,7 +220,7 @@ def bench_fp8(quick: bool):
 FP8_LEGEND = """Columns (times are means over CUDA-synchronised loops; bf16 inputs, fp32 accumulation everywhere):
   bf16 ms / bf16 compile ms: x @ W.T, eager / torch.compile.
   fp8 scaled_mm ms / fp8 triton ms: the blockwise FP8 GEMM alone, x and W already quantised.
-  fp8 linear+quant ms: the free function fp8_linear(x, W) forward: quantise W (128x128, plus W.T) and x (1x128), GEMM.
+  fp8 linear+quant ms: the free function fp8_linear(x, W) forward, no grad: quantise W (128x128) and x (1x128), GEMM.
   fp8 module fwd ms: Fp8Linear forward with its weight cache warm: quantise x, GEMM (W quantised once per optimizer step).
   bf16 fwd+bwd ms: nn.Linear forward + backward (dx = dy @ W and dW = dy.T @ x), grads reset each call.
   fp8 module fwd+bwd ms: Fp8Linear the same, weight cache warm: quant x, GEMM; quant dy (rows and dy.T in one pass),

@@ -42,16 +42,19 @@ from miles_nvidia.fp8.quant import BLOCK, quantize_act, quantize_act_t, quantize
 @dataclass(frozen=True)
 class Fp8Weight:
     """One quantisation of a weight [N, K]: ``q`` [N, K] e4m3 with 128x128 scales ``s``
-    [N/128, K/128], and ``qt = q.T`` [K, N] contiguous with ``st = s.T`` contiguous (dgrad)."""
+    [N/128, K/128], and ``qt = q.T`` [K, N] contiguous with ``st = s.T`` contiguous (dgrad; None
+    when made with ``transposed=False``)."""
 
     q: torch.Tensor
     s: torch.Tensor
-    qt: torch.Tensor
-    st: torch.Tensor
+    qt: torch.Tensor | None
+    st: torch.Tensor | None
 
     @classmethod
-    def of(cls, w: torch.Tensor) -> Fp8Weight:
+    def of(cls, w: torch.Tensor, transposed: bool = True) -> Fp8Weight:
         with torch.no_grad():
+            if not transposed:
+                return cls(*quantize_weight(w.detach()), None, None)
             q, s, qt = quantize_weight(w.detach(), transposed=True)
         return cls(q, s, qt, s.t().contiguous())
 
@@ -83,7 +86,7 @@ class _Fp8LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, backend, wq):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        wq = wq if wq is not None else Fp8Weight.of(weight)
+        wq = wq if wq is not None else Fp8Weight.of(weight, transposed=ctx.needs_input_grad[0])  # q(W).T: dgrad only
         qx, sx = quantize_act(x2)
         y = fp8_gemm(qx, sx, wq.q, wq.s, BLOCK, torch.bfloat16, backend)
         ctx.save_for_backward(x2)
