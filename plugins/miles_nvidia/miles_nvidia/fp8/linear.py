@@ -76,7 +76,7 @@ class Fp8WeightCache:
 
 
 def _cacheable(w: torch.Tensor) -> bool:
-    if torch.is_inference_mode_enabled() or w.is_inference() or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or w.is_inference():  # compiling first: dynamo folds it
         return False
     return not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
