@@ -138,7 +138,7 @@ def _fwd_bwd(layer, x, dy, params):
 
 def bench_fp8(quick: bool):
     from miles_nvidia.fp8.gemm import fp8_gemm
-    from miles_nvidia.fp8.linear import Fp8Linear, fp8_linear
+    from miles_nvidia.fp8.linear import Fp8Linear, Fp8Weight, fp8_linear
     from miles_nvidia.fp8.quant import quantize_act, quantize_act_t, quantize_weight
 
     m = 4096 if quick else 16384
@@ -175,12 +175,16 @@ def bench_fp8(quick: bool):
         row["quant_x_gbs"] = 3 * m * k / (row["quant_x_ms"] * 1e-3) / 1e9  # read 2 B + write 1 B per element
         row["quant_dy_both_ms"] = timeit(lambda: quantize_act_t(dy, both=True))
         row["quant_w_ms"] = timeit(lambda: quantize_weight(w, transposed=True))
-        qdyt, sdyt = quantize_act_t(dy)
+        qdyt, sdyt, qdy, sdy = quantize_act_t(dy, both=True)
         qxt, sxt = quantize_act_t(x)
-        try:
-            row["fp8_wgrad_scaled_mm_ms"] = timeit(lambda: fp8_gemm(qdyt, sdyt, qxt, sxt, 1, torch.bfloat16, "scaled_mm"))
-        except Exception as exc:
-            row["fp8_wgrad_scaled_mm_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        wq = Fp8Weight.of(w)
+        gemms = {"dgrad": lambda: fp8_gemm(qdy, sdy, wq.qt, wq.st, 128, torch.bfloat16, "scaled_mm"),
+                 "wgrad": lambda: fp8_gemm(qdyt, sdyt, qxt, sxt, 1, torch.bfloat16, "scaled_mm")}
+        for gname, fn in gemms.items():
+            try:
+                row[f"fp8_{gname}_scaled_mm_ms"] = timeit(fn)
+            except Exception as exc:
+                row[f"fp8_{gname}_scaled_mm_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         # module forward / forward+backward, weight cache warm (steady-state micro-batch)
         ref = torch.nn.Linear(k, n, bias=False, device=DEV, dtype=torch.bfloat16)
         mod = Fp8Linear(k, n, bias=False, device=DEV, dtype=torch.bfloat16)
@@ -203,7 +207,7 @@ def bench_fp8(quick: bool):
         row["speedup_module_fwd"] = row["bf16_eager_ms"] / row.get("fp8_module_fwd_ms", float("inf"))
         row["speedup_fwd_bwd"] = row.get("bf16_fwd_bwd_ms", float("nan")) / row.get("fp8_module_fwd_bwd_ms", float("inf"))
         out.append(row)
-        del x, w, dy, qx, qw, qdyt, qxt, ref, mod, xg
+        del x, w, dy, qx, qw, qdyt, qdy, qxt, wq, ref, mod, xg
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     RESULTS["fp8"] = out
@@ -211,9 +215,9 @@ def bench_fp8(quick: bool):
     table(f"FP8 blockwise (1x128 act, 128x128 weight) vs bf16, forward, M={m}", ["shape", "N", "K", "bf16 ms", "bf16 compile ms", "fp8 scaled_mm ms", "fp8 triton ms", "fp8 linear+quant ms", "fp8 module fwd ms", "GEMM speedup", "linear speedup", "module fwd speedup"],
           [[r["shape"], r["N"], r["K"], f(r, "bf16_eager_ms"), f(r, "bf16_compile_ms"), f(r, "fp8_scaled_mm_gemm_ms"), f(r, "fp8_triton_gemm_ms"),
             f(r, "fp8_linear_incl_quant_ms"), f(r, "fp8_module_fwd_ms"), f"{r['speedup_gemm']:.2f}x", f"{r['speedup_linear_incl_quant']:.2f}x", f"{r['speedup_module_fwd']:.2f}x"] for r in out])
-    table(f"FP8 linear forward+backward vs bf16 (dx and dW), M={m}", ["shape", "bf16 fwd+bwd ms", "fp8 module fwd+bwd ms", "fwd+bwd speedup", "quant x ms", "quant x GB/s", "quant dy (both) ms", "quant W (+W.T) ms", "wgrad scaled_mm ms", "W quantisations"],
+    table(f"FP8 linear forward+backward vs bf16 (dx and dW), M={m}", ["shape", "bf16 fwd+bwd ms", "fp8 module fwd+bwd ms", "fwd+bwd speedup", "quant x ms", "quant x GB/s", "quant dy (both) ms", "quant W (+W.T) ms", "dgrad scaled_mm ms", "wgrad scaled_mm ms", "W quantisations"],
           [[r["shape"], f(r, "bf16_fwd_bwd_ms"), f(r, "fp8_module_fwd_bwd_ms"), f"{r['speedup_fwd_bwd']:.2f}x", f(r, "quant_x_ms"), f"{r['quant_x_gbs']:.0f}",
-            f(r, "quant_dy_both_ms"), f(r, "quant_w_ms"), f(r, "fp8_wgrad_scaled_mm_ms"), r.get("fp8_module_weight_quantisations", "err")] for r in out])
+            f(r, "quant_dy_both_ms"), f(r, "quant_w_ms"), f(r, "fp8_dgrad_scaled_mm_ms"), f(r, "fp8_wgrad_scaled_mm_ms"), r.get("fp8_module_weight_quantisations", "err")] for r in out])
     print(FP8_LEGEND)
 
 
@@ -227,7 +231,8 @@ FP8_LEGEND = """Columns (times are means over CUDA-synchronised loops; bf16 inpu
     dgrad GEMM with the cached q(W).T, quant x.T, wgrad GEMM (bf16 out). Speedups are bf16 time / fp8 time.
   quant x ms / GB/s: quantize_act(x) alone (3 bytes per element moved). quant dy (both): quantize_act_t(dy, both=True).
   quant W (+W.T): quantize_weight(W, transposed=True), paid once per optimizer step by the module.
-  wgrad scaled_mm ms: the wgrad GEMM (1x128 x 1x128 scales) forced onto torch._scaled_mm; 'err' means auto falls back to Triton.
+  dgrad / wgrad scaled_mm ms: the backward GEMMs alone forced onto torch._scaled_mm (dgrad dy @ W: 1x128 x 128x128,
+    wgrad dy.T @ x: 1x128 x 1x128 scales); 'err' means the module's auto backend falls back to Triton there.
   W quantisations: times the module quantised W during the timed loops (1 = every call hit the cache)."""
 
 
