@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from miles_nvidia.fp8.quant import BLOCK, E4M3, E4M3_MAX, _pad_rows
+from miles_nvidia.fp8.quant import BLOCK, E4M3, E4M3_MAX
 from miles_nvidia.runtime import interpreting
 
 
@@ -155,6 +155,16 @@ def fused_transpose(fused: bool | None = None) -> bool:
     return fused if fused is not None else os.environ.get("MILES_FP8_FUSED_TRANSPOSE", "") == "1"
 
 
+def _padded_t(x: torch.Tensor) -> torch.Tensor:
+    """``pad(x, Mp).T`` contiguous [K, Mp] in one transposing copy (zero columns M..Mp)."""
+    m, k = x.shape
+    mp = triton.cdiv(m, BLOCK) * BLOCK
+    xt = x.new_empty(k, mp)
+    xt[:, :m].copy_(x.t())
+    xt[:, m:].zero_()
+    return xt
+
+
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:
     assert x.dim() == 2, x.shape
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -179,7 +189,7 @@ def quantize_act_t_triton(x: torch.Tensor, both: bool = False, fused: bool | Non
     of ``pad(x, Mp).T``; with ``both``, ``(qt, st, q, s)`` adding ``q`` [M, K], ``s`` [M, ceil(K/128)]
     as :func:`quantize_act_triton` gives them (fused: from the same read of ``x``)."""
     if not fused_transpose(fused):
-        qt, st = quantize_act_triton(_pad_rows(x).t())  # the row kernel on a contiguous copy of pad(x).T
+        qt, st = quantize_act_triton(_padded_t(x))  # the row kernel on a contiguous copy of pad(x).T
         return (qt, st, *quantize_act_triton(x)) if both else (qt, st)
     x = _unit_stride(x)
     m, k = x.shape
