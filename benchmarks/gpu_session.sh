@@ -41,7 +41,7 @@ for part in "$@"; do
       python3 benchmarks/rollout_bench.py --preset gpu --batches 64,256 --temperature 1.0 2>&1 | tee "$OUT/rollout_bench_t1.log" | tail -6
       OUT=$OUT/ds32 python3 benchmarks/rollout_bench.py --preset gpu --batches 64,256 --skip-hf --decode-steps 32 2>&1 | tee "$OUT/rollout_bench_ds32.log" | tail -6 ;;
     fp8)
-      python3 -m pytest -q -rf plugins/miles_nvidia/tests/test_nv_fp8.py -k "gpu or bitwise or layouts or sm90" 2>&1 | tee "$OUT/fp8_tests.log" | tail -12
+      python3 -m pytest -q -rfP plugins/miles_nvidia/tests/test_nv_fp8.py -k "gpu or bitwise or layouts or sm90 or reference" 2>&1 | tee "$OUT/fp8_tests.log" | tail -16
       python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8,loss 2>&1 | tee "$OUT/fp8_bench.log" ;;
     trainprof)
       python3 benchmarks/profile_gpu.py train train.compile=true train.max_tokens_per_micro_batch=16384 2>&1 \

@@ -174,6 +174,11 @@ def bench_fp8(quick: bool):
         row["quant_x_ms"] = timeit(lambda: quantize_act(x))
         row["quant_x_gbs"] = 3 * m * k / (row["quant_x_ms"] * 1e-3) / 1e9  # read 2 B + write 1 B per element
         row["quant_dy_both_ms"] = timeit(lambda: quantize_act_t(dy, both=True))
+        # the opt-in fused transposing kernels (issue #7): their time, and how many bytes of q(dy.T) differ
+        from miles_nvidia.fp8.quant_triton import quantize_act_t_triton
+        row["quant_dy_both_fused_ms"] = timeit(lambda: quantize_act_t_triton(dy, both=True, fused=True))
+        row["quant_dy_both_fused_bad_bytes"] = int((quantize_act_t_triton(dy, both=True, fused=True)[0].view(torch.uint8)
+                                                    != quantize_act_t(dy, both=True)[0].view(torch.uint8)).sum())
         row["quant_w_ms"] = timeit(lambda: quantize_weight(w, transposed=True))
         qdyt, sdyt, qdy, sdy = quantize_act_t(dy, both=True)
         qxt, sxt = quantize_act_t(x)
@@ -215,9 +220,10 @@ def bench_fp8(quick: bool):
     table(f"FP8 blockwise (1x128 act, 128x128 weight) vs bf16, forward, M={m}", ["shape", "N", "K", "bf16 ms", "bf16 compile ms", "fp8 scaled_mm ms", "fp8 triton ms", "fp8 linear+quant ms", "fp8 module fwd ms", "GEMM speedup", "linear speedup", "module fwd speedup"],
           [[r["shape"], r["N"], r["K"], f(r, "bf16_eager_ms"), f(r, "bf16_compile_ms"), f(r, "fp8_scaled_mm_gemm_ms"), f(r, "fp8_triton_gemm_ms"),
             f(r, "fp8_linear_incl_quant_ms"), f(r, "fp8_module_fwd_ms"), f"{r['speedup_gemm']:.2f}x", f"{r['speedup_linear_incl_quant']:.2f}x", f"{r['speedup_module_fwd']:.2f}x"] for r in out])
-    table(f"FP8 linear forward+backward vs bf16 (dx and dW), M={m}", ["shape", "bf16 fwd+bwd ms", "fp8 module fwd+bwd ms", "fwd+bwd speedup", "quant x ms", "quant x GB/s", "quant dy (both) ms", "quant W (+W.T) ms", "dgrad scaled_mm ms", "wgrad scaled_mm ms", "W quantisations"],
+    table(f"FP8 linear forward+backward vs bf16 (dx and dW), M={m}", ["shape", "bf16 fwd+bwd ms", "fp8 module fwd+bwd ms", "fwd+bwd speedup", "quant x ms", "quant x GB/s", "quant dy (both) ms", "fused ms", "fused bad bytes", "quant W (+W.T) ms", "dgrad scaled_mm ms", "wgrad scaled_mm ms", "W quantisations"],
           [[r["shape"], f(r, "bf16_fwd_bwd_ms"), f(r, "fp8_module_fwd_bwd_ms"), f"{r['speedup_fwd_bwd']:.2f}x", f(r, "quant_x_ms"), f"{r['quant_x_gbs']:.0f}",
-            f(r, "quant_dy_both_ms"), f(r, "quant_w_ms"), f(r, "fp8_dgrad_scaled_mm_ms"), f(r, "fp8_wgrad_scaled_mm_ms"), r.get("fp8_module_weight_quantisations", "err")] for r in out])
+            f(r, "quant_dy_both_ms"), f(r, "quant_dy_both_fused_ms"), r["quant_dy_both_fused_bad_bytes"], f(r, "quant_w_ms"), f(r, "fp8_dgrad_scaled_mm_ms"),
+            f(r, "fp8_wgrad_scaled_mm_ms"), r.get("fp8_module_weight_quantisations", "err")] for r in out])
     print(FP8_LEGEND)
 
 
@@ -229,7 +235,9 @@ FP8_LEGEND = """Columns (times are means over CUDA-synchronised loops; bf16 inpu
   bf16 fwd+bwd ms: nn.Linear forward + backward (dx = dy @ W and dW = dy.T @ x), grads reset each call.
   fp8 module fwd+bwd ms: Fp8Linear the same, weight cache warm: quant x, GEMM; quant dy (rows and dy.T in one pass),
     dgrad GEMM with the cached q(W).T, quant x.T, wgrad GEMM (bf16 out). Speedups are bf16 time / fp8 time.
-  quant x ms / GB/s: quantize_act(x) alone (3 bytes per element moved). quant dy (both): quantize_act_t(dy, both=True).
+  quant x ms / GB/s: quantize_act(x) alone (3 bytes per element moved). quant dy (both): quantize_act_t(dy, both=True)
+    (default: torch copy of pad(dy).T + the row kernel, twice). fused ms / fused bad bytes: the opt-in fused kernel
+    (MILES_FP8_FUSED_TRANSPOSE=1) and how many bytes of its q(dy.T) differ from the default (issue #7; must be 0 to use it).
   quant W (+W.T): quantize_weight(W, transposed=True), paid once per optimizer step by the module.
   dgrad / wgrad scaled_mm ms: the backward GEMMs alone forced onto torch._scaled_mm (dgrad dy @ W: 1x128 x 128x128,
     wgrad dy.T @ x: 1x128 x 1x128 scales); 'err' means the module's auto backend falls back to Triton there.

@@ -21,8 +21,13 @@ CASES = {  # the launch configurations of quant_triton.py
     "cols": (qt._act_cols_kernel, "x_ptr qt_ptr st_ptr M K s_xm s_qtk s_stm", dict(BLOCK_K=64, TILE=128, QMAX=448.0, EMULATE_RNE=False), 16),
     "both": (qt._act_both_kernel, "x_ptr q_ptr s_ptr qt_ptr st_ptr M K s_xm s_qm s_sk s_qtk s_stm",
              dict(SUB_M=32, TILE=128, QMAX=448.0, EMULATE_RNE=False), 16),
-    "weight": (qt._weight_kernel, "w_ptr q_ptr qt_ptr s_ptr N K s_wn s_qn s_qtk s_sn", dict(TILE=128, QMAX=448.0, TRANSPOSED=True, EMULATE_RNE=False), 8),
+    "weight": (qt._weight_kernel, "w_ptr q_ptr qt_ptr s_ptr N K s_wn s_qn s_qtk s_sn", dict(TILE=128, QMAX=448.0, TRANSPOSED=False, EMULATE_RNE=False), 8),
+    "weight_t": (qt._weight_kernel, "w_ptr q_ptr qt_ptr s_ptr N K s_wn s_qn s_qtk s_sn", dict(TILE=128, QMAX=448.0, TRANSPOSED=True, EMULATE_RNE=False), 8),
 }
+DEFAULT_PATH = ("rows", "weight")  # what quant_triton runs unless MILES_FP8_FUSED_TRANSPOSE=1
+# an f8 tensor moved between layouts (tl.trans, or a convert_layout through shared memory): the
+# lowering that corrupted the e4m3 tiles on the H200 (issue #7)
+F8_MOVE = re.compile(r"(tt\.trans|ttg\.convert_layout|ttg\.local_alloc)\b[^\n]*: tensor<[0-9x]+xf8E")
 
 
 def main() -> int:
@@ -36,6 +41,7 @@ def main() -> int:
         sig.update({c: "constexpr" for c in consts})
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         ptx = k.asm["ptx"]
+        ttgir = "\n".join(line.split(" loc(")[0] for line in k.asm["ttgir"].splitlines())
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
             f.write(ptx)
             f.flush()
@@ -43,7 +49,8 @@ def main() -> int:
         spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", info)]
         regs = [int(x) for x in re.findall(r"Used (\d+) registers", info)]
         report[name] = {"div_rn": "div.rn.f32" in ptx, "div_approx": "div.full" in ptx or "div.approx" in ptx,
-                        "cvt_rne_e4m3": "cvt.rn.satfinite.e4m3x2.f32" in ptx, "spill_bytes": sum(spills), "registers": max(regs, default=-1)}
+                        "cvt_rne_e4m3": "cvt.rn.satfinite.e4m3x2.f32" in ptx, "spill_bytes": sum(spills), "registers": max(regs, default=-1),
+                        "f8_layout_moves": len(F8_MOVE.findall(ttgir)), "default_path": name in DEFAULT_PATH}
     print(json.dumps(report))
     return 0
 

@@ -31,7 +31,10 @@ def quantize_blockwise(x: torch.Tensor, rows: int, cols: int = BLOCK) -> tuple[t
     """``x`` [M, K] -> (``q`` [M, K] e4m3, ``scale`` [ceil(M/rows), ceil(K/cols)] fp32)."""
     xb, m, k = _blocks(x, rows, cols)
     amax = xb.abs().amax(dim=(1, 3)).clamp(min=1e-12)
-    scale = amax / E4M3_MAX
+    # a tensor divisor, not the Python float: CUDA torch turns ``t / scalar`` into ``t * (1 / scalar)``
+    # (BinaryDivTrueKernel.cu), which is not IEEE division and differs from amax / 448 in the last bit
+    # for about half of all amax values (issue #7); tensor / tensor divides exactly on CPU and CUDA
+    scale = amax / torch.full_like(amax, E4M3_MAX)
     q = (xb / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     q = q.view(xb.shape[0] * rows, xb.shape[2] * cols)[:m, :k]
     return q.contiguous(), scale
@@ -48,7 +51,7 @@ def _pad_rows(x: torch.Tensor, multiple: int = BLOCK) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
 
 
-# On CUDA each function below runs one fused Triton pass (miles_nvidia.fp8.quant_triton), bitwise
+# On CUDA each function below runs the Triton quantisers (miles_nvidia.fp8.quant_triton), bitwise
 # equal to the torch reference used elsewhere.
 def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 tiles: ``x`` [M, K] -> ``q`` [M, K], ``scale`` [M, ceil(K/128)]."""

@@ -8,14 +8,25 @@ Same arithmetic as the reference: ``amax = max(max|tile|, 1e-12)``, ``s = amax /
   Each program takes a [16, 128] tile (one amax per row), not one row (a program per 1x128
   tile made M*K/128 programs of 128 elements, slower than the GEMM it feeds).
 * :func:`quantize_act_t_triton` -- the wgrad operand: 1x128 tiles of ``x.T`` along the token dim, i.e.
-  ``q(pad(x).T)`` [K, Mp] and ``s`` [K, Mp/128] with ``Mp = ceil(M/128)*128``, reading ``x`` [M, K]
-  once: each program loads a [128 tokens, 64] tile, takes the amax down each column and stores
-  the tile transposed; the zero rows M..Mp are the masked loads, so no padded or transposed copy of x
-  is made. ``both=True`` also returns the 1x128 row tiles from the same DRAM read (backward's dy):
-  a program takes the column amax of a [128, 128] block, then reloads it piecewise from cache.
+  ``q(pad(x).T)`` [K, Mp] and ``s`` [K, Mp/128] with ``Mp = ceil(M/128)*128``. Default: torch makes
+  ``pad(x).T`` contiguous (one bf16 copy) and the row kernel quantises it. Fused (opt-in, see below):
+  reading ``x`` [M, K] once, each program loads a [128 tokens, 64] tile, takes the amax down each
+  column and stores the tile transposed; the zero rows M..Mp are the masked loads. ``both=True`` also
+  returns the 1x128 row tiles of ``x`` (backward's dy); fused, from the same DRAM read: a program
+  takes the column amax of a [128, 128] block, then reloads it piecewise from cache.
 * :func:`quantize_weight_triton` -- 128x128 blocks, ``s`` [N/128, K/128]; with ``transposed=True`` also
   ``q(W).T`` [K, N] (a block's scale does not change under transposition, so ``q(W.T) = q(W).T`` and
-  its scales are ``s.T``).
+  its scales are ``s.T``). Default: torch copies ``q.T`` (exact); fused: the kernel stores it too.
+
+Fused transposition is opt-in (``MILES_FP8_FUSED_TRANSPOSE=1`` or ``fused=True``), because it is wrong
+on the H200 (issue #7, session 4: torch 2.11, Triton 3.6, sm90): an e4m3 tile that goes through
+``tl.trans`` (a ``ttg.convert_layout`` of an f8 tensor through shared memory) in a kernel that also
+stores an e4m3 tile came back with foreign bytes (q(W).T was not q(W).T; e4m3 NaN bytes, hence the
+NaN loss), while the untransposed stores were right. This matches a reported Triton/ptxas lowering
+bug of f8 transposed stores on Hopper (triton-lang/triton#11111: needs two stores in one kernel;
+int8 through the same conversion is clean). The interpreter runs no such lowering, so CPU tests
+cannot see it; tests/sm90_ptx.py checks instead that the default kernels carry no f8 layout
+conversion in their sm90 TTGIR. The default path costs one extra bf16 copy of x.T per wgrad operand.
 
 Scales are returned as dequantisation multipliers in outer-dim-major storage (``s.t()`` contiguous),
 the layout ``torch._scaled_mm`` wants for 1x128 scales, so no copy is made before the GEMM.
@@ -26,6 +37,8 @@ values flushed to 0); it casts exactly representable values exactly, so the resu
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -137,6 +150,21 @@ def _warps(n: int) -> dict:
     return {} if interpreting() else {"num_warps": n}
 
 
+def fused_transpose(fused: bool | None = None) -> bool:
+    """Whether the transposed outputs come from the fused Triton kernels (opt-in, see the module doc)."""
+    return fused if fused is not None else os.environ.get("MILES_FP8_FUSED_TRANSPOSE", "") == "1"
+
+
+def _padded_t(x: torch.Tensor) -> torch.Tensor:
+    """``pad(x, Mp).T`` contiguous [K, Mp] in one transposing copy (zero columns M..Mp)."""
+    m, k = x.shape
+    mp = triton.cdiv(m, BLOCK) * BLOCK
+    xt = x.new_empty(k, mp)
+    xt[:, :m].copy_(x.t())
+    xt[:, m:].zero_()
+    return xt
+
+
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:
     assert x.dim() == 2, x.shape
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -156,10 +184,13 @@ def quantize_act_triton(x: torch.Tensor, block_m: int | None = None) -> tuple[to
     return q, st.t()
 
 
-def quantize_act_t_triton(x: torch.Tensor, both: bool = False):
+def quantize_act_t_triton(x: torch.Tensor, both: bool = False, fused: bool | None = None):
     """``x`` [M, K] -> ``qt`` [K, Mp] e4m3, ``st`` [K, Mp/128] fp32 (K-major storage), the 1x128 tiles
     of ``pad(x, Mp).T``; with ``both``, ``(qt, st, q, s)`` adding ``q`` [M, K], ``s`` [M, ceil(K/128)]
-    as :func:`quantize_act_triton` gives them, from the same read of ``x``."""
+    as :func:`quantize_act_triton` gives them (fused: from the same read of ``x``)."""
+    if not fused_transpose(fused):
+        qt, st = quantize_act_triton(_padded_t(x))  # the row kernel on a contiguous copy of pad(x).T
+        return (qt, st, *quantize_act_triton(x)) if both else (qt, st)
     x = _unit_stride(x)
     m, k = x.shape
     mp = triton.cdiv(m, BLOCK) * BLOCK
@@ -181,16 +212,19 @@ def quantize_act_t_triton(x: torch.Tensor, both: bool = False):
     return qt, stt.t(), q, sr.t()
 
 
-def quantize_weight_triton(w: torch.Tensor, transposed: bool = False):
+def quantize_weight_triton(w: torch.Tensor, transposed: bool = False, fused: bool | None = None):
     """``w`` [N, K] -> ``q`` [N, K] e4m3, ``s`` [ceil(N/128), ceil(K/128)] fp32; with ``transposed``
     also ``qt = q.T`` [K, N] contiguous (its scales are ``s.T``)."""
     w = _unit_stride(w)
     n, k = w.shape
+    in_kernel = transposed and fused_transpose(fused)
     q = torch.empty(n, k, dtype=E4M3, device=w.device)
-    qt = torch.empty(k, n, dtype=E4M3, device=w.device) if transposed else q
+    qt = torch.empty(k, n, dtype=E4M3, device=w.device) if in_kernel else q
     s = torch.empty(triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK), dtype=torch.float32, device=w.device)
     if n and k:
         _weight_kernel[(s.shape[0], s.shape[1])](
             w, q, qt, s, n, k, w.stride(0), q.stride(0), qt.stride(0), s.stride(0),
-            TILE=BLOCK, QMAX=E4M3_MAX, TRANSPOSED=transposed, EMULATE_RNE=interpreting(), **_warps(8))
+            TILE=BLOCK, QMAX=E4M3_MAX, TRANSPOSED=in_kernel, EMULATE_RNE=interpreting(), **_warps(8))
+    if transposed and not in_kernel:
+        qt = q.t().contiguous()  # torch's transposing copy of the bytes: exactly q.T
     return (q, s, qt) if transposed else (q, s)
