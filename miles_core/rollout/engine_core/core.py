@@ -27,6 +27,7 @@ from torch import nn
 
 from miles_core.errors import ConfigError, DataError, MilesUserError
 from miles_core.rollout.base import SamplingParams
+from miles_core.rollout.engine_core import cpu_decode
 from miles_core.rollout.engine_core.attention import AttnBatch
 from miles_core.rollout.engine_core.blocks import BlockManager
 from miles_core.rollout.engine_core.config import EngineConfig
@@ -313,6 +314,12 @@ class EngineCore:
             self._table[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(vals, dtype=torch.int32, device=dev)
         slot_t = torch.tensor([r.slot for r in reqs], device=dev)
         last = torch.tensor([[r.output_ids[-1], r.num_tokens - 1, len(r.output_ids)] for r in reqs], dtype=torch.long, device=dev)
+        st = SamplingTensors.build([r.params for r in reqs], [r.seed for r in reqs], dev)
+        if self.cfg.cpu_decode_window and cpu_decode.supported(run):
+            counters = last[:, 2]
+            max_pos = max(r.num_tokens for r in reqs) - 1
+            w = cpu_decode.decode_window(run, last[:, 0], last[:, 1], self._table[slot_t], max_pos, k, lambda z, j: sample(z, st, counters + j))
+            return self._window_outputs(reqs, w.tokens, w.logprobs, w.tops, w.routes)
         run.block_tables[:b] = self._table[slot_t]
         run.tokens[:b] = last[:, 0]
         run.positions[:b] = last[:, 1]
@@ -324,7 +331,6 @@ class EngineCore:
             run.ctx_lens[b:end] = 0
             run.block_tables[b:end] = 0
         counters = last[:, 2]
-        st = SamplingTensors.build([r.params for r in reqs], [r.seed for r in reqs], dev)
         max_ctx = min(-(-(max(r.num_tokens for r in reqs) + k) // p) * p, run.max_blocks * p)
         out_tok = torch.empty(b, k, dtype=torch.long, device=dev)
         out_lp = torch.empty(b, k, dtype=torch.float32, device=dev)
@@ -344,6 +350,11 @@ class EngineCore:
             run.positions[:b] += 1
             run.ctx_lens[:b] += 1
         run.end_window()
+        return self._window_outputs(reqs, out_tok, out_lp, tops, routes)
+
+    def _window_outputs(self, reqs: list[Request], out_tok, out_lp, tops: list, routes: list) -> list[RequestOutput]:
+        """A decode window's tokens and logprobs [B, K] (and per-step top logprobs, routing) to the requests."""
+        b, k = out_tok.shape
         toks, lps = out_tok.tolist(), out_lp.tolist()
         top_rows = None
         if tops:
