@@ -67,6 +67,7 @@ class EngineCore:
         self.max_model_len = min(self.cfg.max_model_len, model.config.max_position_embeddings)
         bs = self.cfg.block_size
         self.runner = ModelRunner(model, self.cfg, self.device, extra_blocks=-(-self.cfg.decode_steps // bs) + 1)
+        self._cpu = cpu_decode.CpuDecoder(self.runner)  # used when cfg.cpu_decode_window and on CPU
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # aborts, reported by the next step
@@ -87,6 +88,7 @@ class EngineCore:
     def _allocate_kv(self) -> None:
         n = self._num_blocks()
         self.runner.allocate_kv(n)
+        self._cpu.reset()
         self.blocks = BlockManager(n, self.cfg.block_size, self.cfg.prefix_caching)
         self.scheduler = Scheduler(self.cfg, self.blocks, lambda r: not self.runner.is_moe or r.leader is not None)
         s = self.cfg.max_num_seqs
@@ -104,6 +106,7 @@ class EngineCore:
             raise MilesUserError("release_memory: requests are in flight; abort or finish them first")
         if "kv_cache" in tags and "kv_cache" not in self.released:
             self.runner.free_kv()
+            self._cpu.reset()
             self.released.add("kv_cache")
         if "weights" in tags and "weights" not in self.released:
             self.runner.drop_graphs()
@@ -317,8 +320,7 @@ class EngineCore:
         st = SamplingTensors.build([r.params for r in reqs], [r.seed for r in reqs], dev)
         if self.cfg.cpu_decode_window and cpu_decode.supported(run):
             counters = last[:, 2]
-            max_pos = max(r.num_tokens for r in reqs) - 1
-            w = cpu_decode.decode_window(run, last[:, 0], last[:, 1], self._table[slot_t], max_pos, k, lambda z, j: sample(z, st, counters + j))
+            w = self._cpu.window(reqs, last[:, 0], last[:, 1], self._table[slot_t], k, lambda z, j: sample(z, st, counters + j))
             return self._window_outputs(reqs, w.tokens, w.logprobs, w.tops, w.routes)
         run.block_tables[:b] = self._table[slot_t]
         run.tokens[:b] = last[:, 0]
