@@ -117,3 +117,23 @@ def test_window_matches_generic_path_qk_norm_and_moe(family, tmp_path):
     if family == "qwen3_moe":
         for g, r in zip(got, ref):
             assert torch.equal(torch.cat(g.routed_experts), torch.cat(r.routed_experts))
+
+
+def test_stand_in_ops_are_bit_identical_to_the_reference_ops():
+    """The window swaps the reference rmsnorm (fp32) and rope for fewer-call forms; they must give the same bits."""
+    from miles_core.kernels.rmsnorm import rmsnorm_torch
+    from miles_core.kernels.rope import rope_torch
+    from miles_core.rollout.engine_core.cpu_decode import _rms_norm_fp32, _rope_rolled
+
+    g = torch.Generator().manual_seed(0)
+    for b, hidden in ((1, 128), (7, 32), (64, 1024)):
+        x = torch.randn(b, hidden, generator=g) * torch.rand(b, 1, generator=g) * 20
+        w = torch.randn(hidden, generator=g)
+        assert torch.equal(_rms_norm_fp32(x, w, 1e-6), rmsnorm_torch(x, w, 1e-6))
+    for b, heads, d in ((1, 6, 32), (9, 3, 8), (16, 24, 128)):
+        x = torch.randn(b, heads, 1, d, generator=g) * 5
+        freqs = torch.rand(b, 1, 1, d // 2, generator=g) * 300
+        emb = torch.cat([freqs, freqs], -1)
+        cos, sin = emb.cos(), emb.sin()
+        signed = sin * torch.cat([-torch.ones(d // 2), torch.ones(d // 2)])
+        assert torch.equal(_rope_rolled(x, cos, signed), rope_torch(x, cos, sin))

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from miles_core.kernels.rmsnorm import rmsnorm_torch
+from miles_core.kernels.rope import rope_torch
 from miles_core.rollout.engine_core.attention import gather_slots
 
 
@@ -118,6 +120,10 @@ class CpuDecoder:
         # the window's positions, rotary tables, page slots and per-step masks [K, B, 1, 1, T0 + K]
         wpos = pos0[:, None] + torch.arange(k)  # [B, K]
         cos, sin = model._rope(wpos, run.dtype)  # [B, 1, K, D]
+        rolled = all(layer.self_attn.rope is rope_torch for layer in model.model.layers)
+        plan = [_layer_plan(run, i, layer, rolled) for i, layer in enumerate(model.model.layers)]
+        if rolled:  # sin with its first half negated, for _rope_rolled
+            sin = sin * torch.cat([-torch.ones(d // 2), torch.ones(d - d // 2)]).to(sin.dtype)
         col = (wpos // p).clamp(max=block_tables.shape[1] - 1)
         wslots = block_tables.gather(1, col).long() * p + wpos % p  # [B, K]
         new_cols = torch.zeros(k, k).masked_fill_(torch.ones(k, k, dtype=torch.bool).triu_(1), float("-inf"))  # step j sees new cols <= j
@@ -126,8 +132,8 @@ class CpuDecoder:
         mc = model.config
         h, rep, scale = mc.num_heads, mc.num_heads // mc.num_kv_heads, d**-0.5
         nq, nk = h * d, hk * d
-        plan = [_layer_plan(run, i, layer) for i, layer in enumerate(model.model.layers)]
-        embed, fn, head_w = model.model.embed_tokens.weight, model.model.norm, model.lm_head.weight
+        embed, head_w = model.model.embed_tokens.weight, model.lm_head.weight
+        fn = _norm(model.model.norm, run.dtype)
         toks, lps, tops, routes = [], [], [], []
         tok = tokens
         for j in range(k):
@@ -164,7 +170,7 @@ class CpuDecoder:
                     if run.is_moe:  # a dense layer of a MoE model: no routing
                         routed.append(torch.full((b, run.moe_k), -1, dtype=torch.long))
                     x = x + mlp(hn)
-            logits = F.linear(fn.op(x, fn.weight, fn.eps), head_w)
+            logits = F.linear(fn[0](x, fn[1], fn[2]), head_w)
             tok, lp, top = sample(logits, j)
             toks.append(tok)
             lps.append(lp)
@@ -182,16 +188,36 @@ class CpuDecoder:
         return WindowOut(torch.stack(toks, 1), torch.stack(lps, 1), tops, routes)
 
 
-def _layer_plan(run, i: int, layer) -> tuple:
+def _layer_plan(run, i: int, layer, rolled: bool) -> tuple:
     """What step ``j`` calls for layer ``i``, looked up once per window (module attribute access
     costs as much as a small op): (norm op, weight, eps) triples, the fused weights, the ops."""
-    a, mlp = layer.self_attn, layer.mlp
-    norm = lambda m: (m.op, m.weight, m.eps)  # noqa: E731
-    qk_norm = (norm(a.q_norm), norm(a.k_norm)) if a.cfg.qk_norm else None
+    a, mlp, dt = layer.self_attn, layer.mlp, run.dtype
+    qk_norm = (_norm(a.q_norm, dt), _norm(a.k_norm, dt)) if a.cfg.qk_norm else None
     gate_up = run.gate_up[i] if run.gate_up and not run.is_moe else None
     down = mlp.down_proj.weight if gate_up is not None else None
-    return (norm(layer.input_layernorm), run.qkv[i], a.rope, qk_norm, a.o_proj.weight,
-            norm(layer.post_attention_layernorm), mlp, gate_up, getattr(mlp, "act", None), down)
+    rope = _rope_rolled if rolled else a.rope
+    return (_norm(layer.input_layernorm, dt), run.qkv[i], rope, qk_norm, a.o_proj.weight,
+            _norm(layer.post_attention_layernorm, dt), mlp, gate_up, getattr(mlp, "act", None), down)
+
+
+# Bit-identical stand-ins for the reference ops, with fewer torch calls (tests/rollout/test_cpu_decode.py
+# checks the bits): the window calls them only where the model holds the reference op.
+def _norm(m, dtype: torch.dtype) -> tuple:
+    """(op, weight, eps) of an RMSNorm; fp32 with the reference op: torch's fused ``F.rms_norm``,
+    which computes ``x * rsqrt(mean(x^2) + eps) * weight`` in the same order, to the same bits."""
+    op = _rms_norm_fp32 if m.op is rmsnorm_torch and dtype == torch.float32 else m.op
+    return op, m.weight, m.eps
+
+
+def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _rope_rolled(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``rope_torch`` with ``sin_signed = (-sin_1, sin_2)`` (halves): ``(-x2, x1) * sin == roll(x) *
+    sin_signed`` exactly (negation commutes with rounding), one roll instead of two slices, a
+    negation and a cat."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 def _capacity(used: int, steps: int) -> int:
