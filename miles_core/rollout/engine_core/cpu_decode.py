@@ -132,7 +132,7 @@ class CpuDecoder:
         mc = model.config
         h, rep, scale = mc.num_heads, mc.num_heads // mc.num_kv_heads, d**-0.5
         nq, nk = h * d, hk * d
-        embed, head_w = model.model.embed_tokens.weight, model.lm_head.weight
+        embed, head_w = model.model.embed_tokens.weight, model.lm_head.weight.t()
         fn = _norm(model.model.norm, run.dtype)
         toks, lps, tops, routes = [], [], [], []
         tok = tokens
@@ -145,7 +145,7 @@ class CpuDecoder:
             x = F.embedding(tok, embed)
             routed = []
             for i, (ln1, qkv_w, rope, qk_norm, o_w, ln2, mlp, gate_up, act, down_w) in enumerate(plan):
-                qkv = F.linear(ln1[0](x, ln1[1], ln1[2]), qkv_w)
+                qkv = torch.mm(ln1[0](x, ln1[1], ln1[2]), qkv_w)
                 if qk_norm is None:  # one rotary call over the query and key heads together
                     qk = rope(qkv[:, : nq + nk].view(b, h + hk, 1, d), c, s)
                     q, kk = qk[:, :h], qk[:, h:]
@@ -157,11 +157,11 @@ class CpuDecoder:
                 v_col[i].copy_(qkv[:, nq + nk :].view(b, hk, d))
                 scores = torch.matmul(q.view(b, hk, rep, d), k_ctx[i]).mul_(scale).add_(mask)  # [B, Hk, R, end]
                 o = torch.matmul(torch.softmax(scores, -1), v_ctx[i])  # [B, Hk, R, D]
-                x = x + F.linear(o.view(b, nq), o_w)
+                x = x + torch.mm(o.view(b, nq), o_w)
                 hn = ln2[0](x, ln2[1], ln2[2])
                 if gate_up is not None:
-                    gate, up = F.linear(hn, gate_up).chunk(2, -1)
-                    x = x + F.linear(act(gate, up), down_w)
+                    gate, up = torch.mm(hn, gate_up).chunk(2, -1)
+                    x = x + torch.mm(act(gate, up), down_w)
                 elif hasattr(mlp, "route"):  # MoE layer
                     ids, w = mlp.route(hn)
                     routed.append(ids)
@@ -170,7 +170,7 @@ class CpuDecoder:
                     if run.is_moe:  # a dense layer of a MoE model: no routing
                         routed.append(torch.full((b, run.moe_k), -1, dtype=torch.long))
                     x = x + mlp(hn)
-            logits = F.linear(fn[0](x, fn[1], fn[2]), head_w)
+            logits = torch.mm(fn[0](x, fn[1], fn[2]), head_w)
             tok, lp, top = sample(logits, j)
             toks.append(tok)
             lps.append(lp)
@@ -190,13 +190,15 @@ class CpuDecoder:
 
 def _layer_plan(run, i: int, layer, rolled: bool) -> tuple:
     """What step ``j`` calls for layer ``i``, looked up once per window (module attribute access
-    costs as much as a small op): (norm op, weight, eps) triples, the fused weights, the ops."""
+    costs as much as a small op): (norm op, weight, eps) triples, the ops, and the projection
+    weights as transposed views ``W^T`` [in, out], for ``torch.mm(x, W^T)``: the very GEMM
+    ``F.linear(x, W)`` makes for a 2-D ``x`` without bias, minus its ``t()`` call each step."""
     a, mlp, dt = layer.self_attn, layer.mlp, run.dtype
     qk_norm = (_norm(a.q_norm, dt), _norm(a.k_norm, dt)) if a.cfg.qk_norm else None
-    gate_up = run.gate_up[i] if run.gate_up and not run.is_moe else None
-    down = mlp.down_proj.weight if gate_up is not None else None
+    gate_up = run.gate_up[i].t() if run.gate_up and not run.is_moe else None
+    down = mlp.down_proj.weight.t() if gate_up is not None else None
     rope = _rope_rolled if rolled else a.rope
-    return (_norm(layer.input_layernorm, dt), run.qkv[i], rope, qk_norm, a.o_proj.weight,
+    return (_norm(layer.input_layernorm, dt), run.qkv[i].t(), rope, qk_norm, a.o_proj.weight.t(),
             _norm(layer.post_attention_layernorm, dt), mlp, gate_up, getattr(mlp, "act", None), down)
 
 
