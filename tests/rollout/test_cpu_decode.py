@@ -69,9 +69,10 @@ def test_window_matches_generic_path_greedy_sampled_stops_and_joins():
 def test_buffer_is_kept_across_windows_and_grows():
     model = tiny(1)
     core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3))
-    gathers = []
-    gather = core._cpu._gather
-    core._cpu._gather = lambda *a: (gathers.append(a[2]), gather(*a))[1]  # a spy: counts the gathers from pages
+    gathers, caps = [], []
+    gather, reset = core._cpu._gather, core._cpu.reset
+    core._cpu._gather = lambda *a: (gathers.append(a[2]), gather(*a))[1]  # spies: the gathers from pages,
+    core._cpu.reset = lambda: (caps.append(core._cpu.bias.shape[1]), reset())[1]  # the capacity when freed
     params = SamplingParams(max_new_tokens=60, temperature=0.8, seed=4)
     group = core.add_request(P[1], params, n=2)
     while core.has_unfinished():
@@ -79,7 +80,7 @@ def test_buffer_is_kept_across_windows_and_grows():
     # ~21 windows, 3 batches: the first sample alone (the second waits for its prompt pages), both,
     # the second alone (it started a window later, so it ends a window later): 3 gathers, not 21
     assert gathers == [5, 8, 62]
-    assert core._cpu.bias.shape[1] > 4 + 3 + 4 * 3  # grew past its first capacity (t0 8 -> 64 columns)
+    assert caps[0] >= 5 + 60 and core._cpu.kt is None  # grew past its first 8 + 3 + 12 columns; freed at the end
     ref, _ = run(model, False, [(P[1], SamplingParams(max_new_tokens=60, temperature=0.8, seed=4 + i)) for i in range(2)])
     assert_same(group, ref)
 

@@ -9,7 +9,9 @@ Each :meth:`EngineCore.step` asks the scheduler for a plan and runs it:
   context lengths advance on the device), and one copy to the host at the end hands the tokens
   and logprobs to the requests. Stop tokens, stop strings and length limits are checked then; a
   request that finished inside the window drops the tokens after its end (their K/V went to its
-  own pages or to the padding page, and are never read).
+  own pages or to the padding page, and are never read). On CPU the window runs through
+  :mod:`.cpu_decode` (``EngineConfig.cpu_decode_window``): contiguous K/V kept across windows,
+  a fraction of the per-step host work.
 
 The core is single-threaded; :mod:`miles_core.rollout.engine_core.threaded` drives it from a
 background thread for the HTTP server.
@@ -321,7 +323,10 @@ class EngineCore:
         if self.cfg.cpu_decode_window and cpu_decode.supported(run):
             counters = last[:, 2]
             w = self._cpu.window(reqs, last[:, 0], last[:, 1], self._table[slot_t], k, lambda z, j: sample(z, st, counters + j))
-            return self._window_outputs(reqs, w.tokens, w.logprobs, w.tops, w.routes)
+            outputs = self._window_outputs(reqs, w.tokens, w.logprobs, w.tops, w.routes)
+            if not self.scheduler.running:  # nothing left to decode: free the kept K/V buffer
+                self._cpu.reset()
+            return outputs
         run.block_tables[:b] = self._table[slot_t]
         run.tokens[:b] = last[:, 0]
         run.positions[:b] = last[:, 1]
