@@ -63,6 +63,8 @@ class CpuDecoder:
 
     def __init__(self, runner) -> None:
         self.runner = runner
+        self._statics_key: tuple = ()
+        self._statics: tuple = ()
         self.reset()
 
     def reset(self) -> None:
@@ -102,6 +104,23 @@ class CpuDecoder:
         bias[:, :u] = self.bias[:, :u]
         self.kt, self.v, self.bias = kt, v, bias
 
+    def _window_statics(self, k: int) -> tuple:
+        """What every window of ``k`` steps uses and no token changes: the layer plans, the rope
+        sign, the step masks of the new columns, the final norm and ``lm_head^T``. Rebuilt when
+        the fused weight lists (:meth:`~.runner.ModelRunner.fuse`), an op or ``k`` change."""
+        run, model = self.runner, self.runner.model
+        layers = model.model.layers
+        key = (run.qkv, run.gate_up, k, model.lm_head.weight, tuple(layer.self_attn.rope for layer in layers))
+        if len(key) != len(self._statics_key) or not all(a is b for a, b in zip(key[:2], self._statics_key[:2])) or key[2:] != self._statics_key[2:]:
+            d = run.head_dim
+            rolled = all(layer.self_attn.rope is rope_torch for layer in layers)
+            sign = torch.cat([-torch.ones(d // 2), torch.ones(d - d // 2)]).to(run.dtype) if rolled else None
+            new_cols = torch.zeros(k, k).masked_fill_(torch.ones(k, k, dtype=torch.bool).triu_(1), float("-inf"))  # step j sees new cols <= j
+            plan = [_layer_plan(run, i, layer, rolled) for i, layer in enumerate(layers)]
+            self._statics = (plan, sign, new_cols, _norm(model.model.norm, run.dtype), model.lm_head.weight.t())
+            self._statics_key = key
+        return self._statics
+
     # ------------------------------------------------------------------ one window
     @torch.inference_mode()
     def window(self, reqs: list, tokens: torch.Tensor, pos0: torch.Tensor, block_tables: torch.Tensor,
@@ -120,20 +139,17 @@ class CpuDecoder:
         # the window's positions, rotary tables, page slots and per-step masks [K, B, 1, 1, T0 + K]
         wpos = pos0[:, None] + torch.arange(k)  # [B, K]
         cos, sin = model._rope(wpos, run.dtype)  # [B, 1, K, D]
-        rolled = all(layer.self_attn.rope is rope_torch for layer in model.model.layers)
-        plan = [_layer_plan(run, i, layer, rolled) for i, layer in enumerate(model.model.layers)]
-        if rolled:  # sin with its first half negated, for _rope_rolled
-            sin = sin * torch.cat([-torch.ones(d // 2), torch.ones(d - d // 2)]).to(sin.dtype)
+        plan, sign, new_cols, fn, head_w = self._window_statics(k)
+        if sign is not None:  # sin with its first half negated, for _rope_rolled
+            sin = sin * sign
         col = (wpos // p).clamp(max=block_tables.shape[1] - 1)
         wslots = block_tables.gather(1, col).long() * p + wpos % p  # [B, K]
-        new_cols = torch.zeros(k, k).masked_fill_(torch.ones(k, k, dtype=torch.bool).triu_(1), float("-inf"))  # step j sees new cols <= j
         masks = torch.cat([self.bias[:, :t0].expand(k, b, t0), new_cols[:, None, :].expand(k, b, k)], -1).view(k, b, 1, 1, t0 + k)
 
         mc = model.config
         h, rep, scale = mc.num_heads, mc.num_heads // mc.num_kv_heads, d**-0.5
         nq, nk = h * d, hk * d
-        embed, head_w = model.model.embed_tokens.weight, model.lm_head.weight.t()
-        fn = _norm(model.model.norm, run.dtype)
+        embed = model.model.embed_tokens.weight
         toks, lps, tops, routes = [], [], [], []
         tok = tokens
         for j in range(k):
@@ -182,8 +198,7 @@ class CpuDecoder:
         nl, flat = run.num_layers, wslots.flatten()
         run.kv[:, 0].index_copy_(1, flat, kt[..., t0 : t0 + k].permute(0, 1, 4, 2, 3).reshape(nl, b * k, hk, d))
         run.kv[:, 1].index_copy_(1, flat, vw[..., t0 : t0 + k, :].transpose(2, 3).reshape(nl, b * k, hk, d))
-        self.bias[:, t0 : t0 + k] = 0.0
-        self.used = t0 + k
+        self.used = t0 + k  # bias columns past the old `used` are 0 already: these are now context
         self.rows, self.next_pos = list(reqs), [x + k for x in positions]
         return WindowOut(torch.stack(toks, 1), torch.stack(lps, 1), tops, routes)
 
