@@ -378,11 +378,12 @@ class EngineCore:
         params = req.params
         limit = final_len(req, self.max_model_len)
         take, reason, matched = len(toks), None, None
+        n0, stop_ids = req.num_tokens, req.stop_ids
         for i, t in enumerate(toks):
-            if t in req.stop_ids:
+            if t in stop_ids:
                 take, reason, matched = i + 1, "stop", t
                 break
-            if req.num_tokens + i + 1 >= limit:
+            if n0 + i + 1 >= limit:
                 take, reason = i + 1, "length"
                 break
         if params.stop and self.detokenize is not None:
