@@ -137,7 +137,7 @@ class CpuDecoder:
             self._gather(pos0, block_tables, max(positions), k)
         self._ensure_room(k)
         t0, kt, vw = self.used, self.kt, self.v
-        # the window's positions, rotary tables, page slots and per-step masks [K, B, 1, 1, T0 + K]
+        # the window's positions, rotary tables, page slots and per-step additive masks [K, B*Hk, 1, T0 + K]
         wpos = pos0[:, None] + torch.arange(k)  # [B, K]
         cos, sin = model._rope(wpos, run.dtype)  # [B, 1, K, D]
         plan, sign, new_cols, fn, head_w = self._window_statics(k)
