@@ -73,6 +73,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # aborts, reported by the next step
+        self._st_cache: tuple[list[Request], SamplingTensors | None] = ([], None)  # see _sampling_tensors
         self.released: set[str] = set()
         self._allocate_kv()
 
@@ -319,7 +320,7 @@ class EngineCore:
             self._table[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(vals, dtype=torch.int32, device=dev)
         slot_t = torch.tensor([r.slot for r in reqs], device=dev)
         last = torch.tensor([[r.output_ids[-1], r.num_tokens - 1, len(r.output_ids)] for r in reqs], dtype=torch.long, device=dev)
-        st = SamplingTensors.build([r.params for r in reqs], [r.seed for r in reqs], dev)
+        st = self._sampling_tensors(reqs)
         if self.cfg.cpu_decode_window and cpu_decode.supported(run):
             counters = last[:, 2]
             w = self._cpu.window(reqs, last[:, 0], last[:, 1], self._table[slot_t], k, lambda z, j: sample(z, st, counters + j))
@@ -358,6 +359,14 @@ class EngineCore:
             run.ctx_lens[:b] += 1
         run.end_window()
         return self._window_outputs(reqs, out_tok, out_lp, tops, routes)
+
+    def _sampling_tensors(self, reqs: list[Request]) -> SamplingTensors:
+        """The rows' sampling tensors; the last window's when the rows are the same requests."""
+        rows, st = self._st_cache
+        if len(rows) != len(reqs) or not all(a is b for a, b in zip(rows, reqs)):
+            st = SamplingTensors.build([r.params for r in reqs], [r.seed for r in reqs], self.device)
+            self._st_cache = (list(reqs), st)
+        return st
 
     def _window_outputs(self, reqs: list[Request], out_tok, out_lp, tops: list, routes: list) -> list[RequestOutput]:
         """A decode window's tokens and logprobs [B, K] (and per-step top logprobs, routing) to the requests."""

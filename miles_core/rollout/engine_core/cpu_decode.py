@@ -106,19 +106,22 @@ class CpuDecoder:
         self.kt, self.v, self.bias = kt, v, bias
 
     def _window_statics(self, k: int) -> tuple:
-        """What every window of ``k`` steps uses and no token changes: the layer plans, the rope
-        sign, the step masks of the new columns, the final norm and ``lm_head^T``. Rebuilt when
-        the fused weight lists (:meth:`~.runner.ModelRunner.fuse`), an op or ``k`` change."""
+        """What every window of ``k`` steps uses and no token changes: the layer plans, the rotary
+        tables of every position (``model._rope``, [P, 1, D]; sin with its first half negated for
+        ``_rope_rolled``), the step masks of the new columns, the final norm and ``lm_head^T``.
+        Rebuilt when the fused weight lists (:meth:`~.runner.ModelRunner.fuse`), an op or ``k`` change."""
         run, model = self.runner, self.runner.model
         layers = model.model.layers
         key = (run.qkv, run.gate_up, k, model.lm_head.weight, tuple(layer.self_attn.rope for layer in layers))
         if len(key) != len(self._statics_key) or not all(a is b for a, b in zip(key[:2], self._statics_key[:2])) or key[2:] != self._statics_key[2:]:
             d = run.head_dim
             rolled = all(layer.self_attn.rope is rope_torch for layer in layers)
-            sign = torch.cat([-torch.ones(d // 2), torch.ones(d - d // 2)]).to(run.dtype) if rolled else None
+            cos_t, sin_t = model._rope(torch.arange(run.max_blocks * run.block_size), run.dtype)  # [P, 1, D]
+            if rolled:
+                sin_t = sin_t * torch.cat([-torch.ones(d // 2), torch.ones(d - d // 2)]).to(run.dtype)
             new_cols = torch.zeros(k, k).masked_fill_(torch.ones(k, k, dtype=torch.bool).triu_(1), float("-inf"))  # step j sees new cols <= j
             plan = [_layer_plan(run, i, layer, rolled) for i, layer in enumerate(layers)]
-            self._statics = (plan, sign, new_cols, _norm(model.model.norm, run.dtype), model.lm_head.weight.t())
+            self._statics = (plan, (cos_t, sin_t), new_cols, _norm(model.model.norm, run.dtype), model.lm_head.weight.t())
             self._statics_key = key
         return self._statics
 
@@ -139,10 +142,8 @@ class CpuDecoder:
         t0, kt, vw = self.used, self.kt, self.v
         # the window's positions, rotary tables, page slots and per-step additive masks [K, B*Hk, 1, T0 + K]
         wpos = pos0[:, None] + torch.arange(k)  # [B, K]
-        cos, sin = model._rope(wpos, run.dtype)  # [B, 1, K, D]
-        plan, sign, new_cols, fn, head_w = self._window_statics(k)
-        if sign is not None:  # sin with its first half negated, for _rope_rolled
-            sin = sin * sign
+        plan, (cos_t, sin_t), new_cols, fn, head_w = self._window_statics(k)
+        cos, sin = cos_t[wpos].transpose(1, 2), sin_t[wpos].transpose(1, 2)  # [B, 1, K, D]
         col = (wpos // p).clamp(max=block_tables.shape[1] - 1)
         wslots = block_tables.gather(1, col).long() * p + wpos % p  # [B, K]
         masks = torch.cat([self.bias[:, :t0].expand(k, b, t0), new_cols[:, None, :].expand(k, b, k)], -1)  # [K, B, T0 + K]
