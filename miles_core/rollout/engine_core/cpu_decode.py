@@ -112,8 +112,9 @@ class CpuDecoder:
         Rebuilt when the fused weight lists (:meth:`~.runner.ModelRunner.fuse`), an op or ``k`` change."""
         run, model = self.runner, self.runner.model
         layers = model.model.layers
-        key = (run.qkv, run.gate_up, k, model.lm_head.weight, tuple(layer.self_attn.rope for layer in layers))
-        if len(key) != len(self._statics_key) or not all(a is b for a, b in zip(key[:2], self._statics_key[:2])) or key[2:] != self._statics_key[2:]:
+        key = (k, run.qkv, run.gate_up, model.lm_head.weight, *(layer.self_attn.rope for layer in layers))
+        old = self._statics_key
+        if not (len(key) == len(old) and key[0] == old[0] and all(a is b for a, b in zip(key[1:], old[1:]))):
             d = run.head_dim
             rolled = all(layer.self_attn.rope is rope_torch for layer in layers)
             cos_t, sin_t = model._rope(torch.arange(run.max_blocks * run.block_size), run.dtype)  # [P, 1, D]
