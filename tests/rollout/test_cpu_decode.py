@@ -138,3 +138,26 @@ def test_stand_in_ops_are_bit_identical_to_the_reference_ops():
         cos, sin = emb.cos(), emb.sin()
         signed = sin * torch.cat([-torch.ones(d // 2), torch.ones(d // 2)])
         assert torch.equal(_rope_rolled(x, cos, signed), rope_torch(x, cos, sin))
+
+
+def test_window_with_a_non_reference_rope_op_and_in_bf16():
+    """A model holding another rope op gets it called as is (no rolled stand-in); bf16 runs the
+    softmax in fp32 like the generic path (bf16 rounding: logprobs within 0.1, same greedy tokens here)."""
+    from miles_core.kernels.rope import rope_torch
+
+    model = tiny(3)
+    calls = []
+    model.use_kernels({"rope": lambda x, c, s: (calls.append(1), rope_torch(x, c, s))[1]})
+    script = [(P[0], SamplingParams(max_new_tokens=9, temperature=0)), (P[1], SamplingParams(max_new_tokens=8, temperature=0.8, seed=1))]
+    got, _ = run(model, True, script)
+    n_window = len(calls)
+    ref, _ = run(model, False, script)
+    assert n_window > 0 and len(calls) > n_window
+    assert_same(got, ref)
+    half = tiny(3).to(torch.bfloat16)
+    greedy = [(p, SamplingParams(max_new_tokens=12, temperature=0)) for p in (P[0], P[1])]
+    got, _ = run(half, True, greedy)
+    ref, _ = run(half, False, greedy)
+    for g, r in zip(got, ref):
+        assert g.output_ids == r.output_ids
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(r.logprobs), atol=0.1, rtol=0)

@@ -148,7 +148,8 @@ class CpuDecoder:
         col = (wpos // p).clamp(max=block_tables.shape[1] - 1)
         wslots = block_tables.gather(1, col).long() * p + wpos % p  # [B, K]
         masks = torch.cat([self.bias[:, :t0].expand(k, b, t0), new_cols[:, None, :].expand(k, b, k)], -1)  # [K, B, T0 + K]
-        masks = masks[:, :, None].expand(k, b, hk, t0 + k).reshape(k, b * hk, 1, t0 + k)  # one row per (row, KV head)
+        masks = masks[:, :, None].expand(k, b, hk, t0 + k).reshape(k, b * hk, 1, t0 + k).to(run.dtype)  # one row per (row, KV head)
+        fp32 = run.dtype == torch.float32  # else the softmax runs in fp32 (as the generic path's does)
 
         mc = model.config
         h, rep, scale = mc.num_heads, mc.num_heads // mc.num_kv_heads, d**-0.5
@@ -176,7 +177,8 @@ class CpuDecoder:
                 k_col[i].copy_(kk.view(b, hk, d))
                 v_col[i].copy_(qkv[:, nq + nk :].view(b, hk, d))
                 scores = torch.baddbmm(mask, q.reshape(b * hk, rep, d), k_ctx[i].view(b * hk, d, end), alpha=scale)  # [B*Hk, R, end]
-                o = torch.bmm(torch.softmax(scores, -1), v_ctx[i].view(b * hk, end, d))  # [B*Hk, R, D]
+                probs = torch.softmax(scores, -1) if fp32 else torch.softmax(scores, -1, dtype=torch.float32).to(run.dtype)
+                o = torch.bmm(probs, v_ctx[i].view(b * hk, end, d))  # [B*Hk, R, D]
                 x = x + torch.mm(o.view(b, nq), o_w)
                 hn = ln2[0](x, ln2[1], ln2[2])
                 if gate_up is not None:
