@@ -4,6 +4,8 @@
 #   bash benchmarks/gpu_session.sh train      # torch + Megatron trainer benchmarks, chunked-logprob memory
 #   bash benchmarks/gpu_session.sh rollout    # built-in engine vs transformers generate (greedy, sampled, decode_steps 32)
 #   bash benchmarks/gpu_session.sh gputests   # every GPU-marked test of the core and miles_nvidia
+#   bash benchmarks/gpu_session.sh fp8        # FP8 quantiser/linear tests on the GPU, FP8 linear fwd/fwd+bwd vs bf16, 200-step loss
+#   bash benchmarks/gpu_session.sh trainprof  # torch.profiler of one compiled 16k-token train step (Qwen3-0.6B shape)
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
 # Logs and JSON go to $OUT (the device tool brings them back).
 set -u -o pipefail
@@ -38,6 +40,12 @@ for part in "$@"; do
       python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench.log" | tail -8
       python3 benchmarks/rollout_bench.py --preset gpu --batches 64,256 --temperature 1.0 2>&1 | tee "$OUT/rollout_bench_t1.log" | tail -6
       OUT=$OUT/ds32 python3 benchmarks/rollout_bench.py --preset gpu --batches 64,256 --skip-hf --decode-steps 32 2>&1 | tee "$OUT/rollout_bench_ds32.log" | tail -6 ;;
+    fp8)
+      python3 -m pytest -q -rf plugins/miles_nvidia/tests/test_nv_fp8.py -k "gpu or bitwise or layouts or sm90" 2>&1 | tee "$OUT/fp8_tests.log" | tail -12
+      python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8,loss 2>&1 | tee "$OUT/fp8_bench.log" ;;
+    trainprof)
+      python3 benchmarks/profile_gpu.py train train.compile=true train.max_tokens_per_micro_batch=16384 2>&1 \
+        | tee "$OUT/profile_train_compile.log" | grep -E "^train:|Self CUDA time total" ;;
     sync)
       python3 -m pytest -q -rs tests/sync/test_transports_gpu.py -m gpu 2>&1 | tee "$OUT/sync_tests.log" | tail -8
       if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then

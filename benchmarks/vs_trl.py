@@ -135,7 +135,8 @@ def run_miles(cfg, c) -> dict:
 
     def on_metrics(record: dict) -> None:
         records.append(record)
-        keys = ("step", "time_step", "reward_mean", "eval_accuracy")
+        keys = ("step", "time_step", "time_rollout", "time_logprobs", "time_train", "time_sync", "response_len",
+                "reward_mean", "eval_accuracy")
         print("miles", {k: round(record[k], 3) for k in keys if k in record}, flush=True)
 
     with PeakMemory(cfg.run.device) as mem:

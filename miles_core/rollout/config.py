@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 from miles_core.errors import ConfigError
 from miles_core.rollout.sglang.config import SglangConfig
 
+ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
 
 @dataclass
 class RolloutConfig:
@@ -20,6 +22,10 @@ class RolloutConfig:
     # built-in engine: decode steps between two host syncs (0 = its default, 8). Larger leaves the GPU
     # fewer idle gaps; a sequence that ends inside a window waits for the window's end.
     decode_steps: int = 0
+    # built-in engine weights and KV cache: auto = on GPU the precision recipe's compute dtype (bf16 for
+    # train.precision=bf16, as an SGLang server would serve it), else the trainer's weight dtype; a
+    # batch-invariant recipe keeps the trainer's dtype (its kernel mode needs the same ops) | float32 | bfloat16 | float16
+    dtype: str = "auto"
     sglang: SglangConfig = field(default_factory=SglangConfig)  # rollout.backend=sglang
 
     def validate(self) -> None:
@@ -35,6 +41,8 @@ class RolloutConfig:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.decode_steps < 0:
             raise ConfigError(f"rollout.decode_steps must be >= 0, got {self.decode_steps}")
+        if self.dtype not in ROLLOUT_DTYPES:
+            raise ConfigError(f"rollout.dtype must be one of {', '.join(ROLLOUT_DTYPES)}, got '{self.dtype}'")
         if self.top_k < 0:
             raise ConfigError(f"rollout.top_k must be >= 0, got {self.top_k}")
         self.sglang.validate()

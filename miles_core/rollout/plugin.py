@@ -1,8 +1,19 @@
+import torch
+
 from miles_core.hookspecs import hookimpl
 from miles_core.plugins.registry import Registry
 from miles_core.rollout.engine import BuiltinEngine
 from miles_core.rollout.engine_core.config import EngineConfig
 from miles_core.rollout.sglang.factory import sglang_backend
+
+
+def engine_dtype(name: str, precision, device: torch.device) -> torch.dtype | None:
+    """``rollout.dtype`` -> the engine's weight dtype (None: keep the model's)."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda" and precision.compute_dtype is not None and not precision.batch_invariant:
+        return precision.compute_dtype
+    return None
 
 
 def _builtin(ctx, model):
@@ -13,7 +24,8 @@ def _builtin(ctx, model):
         engine = EngineConfig(max_num_seqs=min(cfg.rollout.max_batch_size, 256), decode_steps=cfg.rollout.decode_steps)
     return BuiltinEngine(
         model, ctx.tokenizer, ctx.device, cfg.rollout.max_batch_size, seed=cfg.run.seed,
-        config=engine, precision=precision, kernels=ctx.kernels,
+        config=engine, dtype=engine_dtype(cfg.rollout.dtype, precision, ctx.device), precision=precision,
+        kernels=ctx.kernels,
     )
 
 

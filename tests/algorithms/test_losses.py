@@ -149,3 +149,20 @@ def test_sft_is_masked_nll():
 @pytest.mark.parametrize("fn", [ppo_clip, gspo, gspo_token, sft])
 def test_losses_meet_the_plugin_contract(fn):
     check_policy_loss(fn)
+
+
+def test_k3_is_accurate_and_nonnegative_for_tiny_differences():
+    """k3 at logprob differences of rounding size, in fp32, against float64: exp(-d) - 1 + d would give
+    -1.7e-8 at d = 1e-4 (the true value is 5.0e-9); expm1 keeps it, and it never goes below 0."""
+    import torch
+
+    from miles_core.algorithms.kl import kl_estimate
+
+    d = torch.tensor([[1e-4, -3e-5, 1e-7, 0.0, 2.0, -1.0]])
+    got = kl_estimate(d, torch.zeros_like(d), torch.ones_like(d), "k3")
+    d64 = d.double()
+    ref = torch.expm1(-d64) + d64
+    assert (got >= 0).all()
+    assert torch.allclose(got.double(), ref, rtol=1e-2, atol=1e-11)  # ~ulp(d) absolute; the old form erred by 2e-8
+    clamped = kl_estimate(d, torch.zeros_like(d), torch.ones_like(d), "k3_clamped")
+    assert torch.equal(clamped, got)  # nothing here reaches the clamps

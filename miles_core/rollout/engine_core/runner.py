@@ -54,7 +54,7 @@ class ModelRunner:
         on_gpu = device.type == "cuda"
         exact = cfg.exact_attention
         self.use_graphs = on_gpu and cfg.cuda_graphs and not self.is_moe and not exact  # MoE routing is data dependent
-        self.use_triton = on_gpu and cfg.triton_decode and triton_decode.available() and self.dtype != torch.float32 and not exact
+        self.use_triton = on_gpu and cfg.triton_decode and triton_decode.available() and not exact
         self.graph_sizes = sorted(b for b in cfg.graph_batch_sizes if b <= cfg.max_num_seqs) or [cfg.max_num_seqs]
         if self.graph_sizes[-1] < cfg.max_num_seqs:
             self.graph_sizes.append(cfg.max_num_seqs)

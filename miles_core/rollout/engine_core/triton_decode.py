@@ -11,7 +11,7 @@ softmax (Milakov & Gimelshein 2018; Dao et al., FlashAttention, 2022). Splits wr
 output and its log-sum-exp; :func:`paged_decode` merges them in torch (flash-decoding, Dao et al.
 2023). Context lengths are read from device memory, so the launch has static shapes and can be
 captured in a CUDA graph. Departures: none in the math; the query group is padded to 16 rows
-so that ``tl.dot`` can be used.
+so that ``tl.dot`` can be used; with an fp32 cache the dots run in full fp32 (``input_precision="ieee"``), not tf32.
 
 Shapes: ``q`` [B, H, D]; ``k_cache``/``v_cache`` [S, Hk, D]; ``block_tables`` [B, max_blocks]
 int32; ``ctx_lens`` [B] int32/int64. Rows with ``ctx_lens == 0`` produce zeros.
@@ -41,7 +41,7 @@ if triton is not None:
         Q, K, V, BT, CTX, O, LSE, scale,
         s_qb, s_qh, s_kt, s_kh, s_bt, s_ob, s_oh, s_os, s_lb, s_lh,
         PAGE: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -66,13 +66,19 @@ if triton is not None:
             kv_off = slot[:, None] * s_kt + kvh * s_kh + offs_d[None, :]
             k = tl.load(K + kv_off, mask=tmask[:, None], other=0.0)
             v = tl.load(V + kv_off, mask=tmask[:, None], other=0.0)
-            scores = tl.dot(q.to(k.dtype), tl.trans(k), out_dtype=tl.float32) * scale  # [REP_P, BLOCK_N]
+            if IEEE:  # fp32 cache: full-precision dots (the default would round the inputs to tf32)
+                scores = tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee", out_dtype=tl.float32) * scale
+            else:
+                scores = tl.dot(q.to(k.dtype), tl.trans(k), out_dtype=tl.float32) * scale  # [REP_P, BLOCK_N]
             scores = tl.where(tmask[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m - m_new)
             l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee", out_dtype=tl.float32)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
             m = m_new
         has = l > 0
         out = acc / tl.where(has, l, 1.0)[:, None]
@@ -98,6 +104,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int, s
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         PAGE=block_size, D=d, REP=rep, REP_P=max(16, triton.next_power_of_2(rep)), BLOCK_N=block_n, SPLITS=splits,
+        IEEE=k_cache.dtype == torch.float32,
     )
     if splits == 1:
         return partial[:, :, 0].to(q.dtype)

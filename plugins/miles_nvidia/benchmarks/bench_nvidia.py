@@ -126,10 +126,20 @@ SHAPES = {  # name: (N, K) of x[M, K] @ W[N, K].T
 }
 
 
+def _fwd_bwd(layer, x, dy, params):
+    """One micro-batch: forward, backward(dy) into x.grad and the weight's grad, grads reset."""
+    def step():
+        layer(x).backward(dy)
+        x.grad = None
+        for p in params:
+            p.grad = None
+    return step
+
+
 def bench_fp8(quick: bool):
     from miles_nvidia.fp8.gemm import fp8_gemm
-    from miles_nvidia.fp8.linear import fp8_linear
-    from miles_nvidia.fp8.quant import quantize_act, quantize_weight
+    from miles_nvidia.fp8.linear import Fp8Linear, Fp8Weight, fp8_linear
+    from miles_nvidia.fp8.quant import quantize_act, quantize_act_t, quantize_weight
 
     m = 4096 if quick else 16384
     shapes = SHAPES
@@ -140,6 +150,7 @@ def bench_fp8(quick: bool):
     for name, (n, k) in shapes.items():
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
         w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
+        dy = torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
         qx, sx = quantize_act(x)
         qw, sw = quantize_weight(w)
         row = {"shape": name, "M": m, "N": n, "K": k}
@@ -159,15 +170,70 @@ def bench_fp8(quick: bool):
             row["fp8_linear_incl_quant_ms"] = timeit(lambda: fp8_linear(x, w))
         except Exception as exc:
             row["fp8_linear_error"] = str(exc)[:200]
+        # quantisers alone, and the wgrad GEMM forced onto scaled_mm (a layout error would show here)
+        row["quant_x_ms"] = timeit(lambda: quantize_act(x))
+        row["quant_x_gbs"] = 3 * m * k / (row["quant_x_ms"] * 1e-3) / 1e9  # read 2 B + write 1 B per element
+        row["quant_dy_both_ms"] = timeit(lambda: quantize_act_t(dy, both=True))
+        row["quant_w_ms"] = timeit(lambda: quantize_weight(w, transposed=True))
+        qdyt, sdyt, qdy, sdy = quantize_act_t(dy, both=True)
+        qxt, sxt = quantize_act_t(x)
+        wq = Fp8Weight.of(w)
+        gemms = {"dgrad": lambda: fp8_gemm(qdy, sdy, wq.qt, wq.st, 128, torch.bfloat16, "scaled_mm"),
+                 "wgrad": lambda: fp8_gemm(qdyt, sdyt, qxt, sxt, 1, torch.bfloat16, "scaled_mm")}
+        for gname, fn in gemms.items():
+            try:
+                row[f"fp8_{gname}_scaled_mm_ms"] = timeit(fn)
+            except Exception as exc:
+                row[f"fp8_{gname}_scaled_mm_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        # module forward / forward+backward, weight cache warm (steady-state micro-batch)
+        ref = torch.nn.Linear(k, n, bias=False, device=DEV, dtype=torch.bfloat16)
+        mod = Fp8Linear(k, n, bias=False, device=DEV, dtype=torch.bfloat16)
+        with torch.no_grad():
+            ref.weight.copy_(w)
+            mod.weight.copy_(w)
+        xg = x.clone().requires_grad_()
+        try:
+            row["bf16_fwd_bwd_ms"] = timeit(_fwd_bwd(ref, xg, dy, [ref.weight]))
+            with torch.no_grad():
+                mod(x)  # fills the cache
+            row["fp8_module_fwd_ms"] = timeit(lambda: mod(x))
+            row["fp8_module_fwd_bwd_ms"] = timeit(_fwd_bwd(mod, xg, dy, [mod.weight]))
+            row["fp8_module_weight_quantisations"] = mod.fp8_cache.quantisations  # 1: every timed call hit the cache
+        except Exception as exc:
+            row["fp8_module_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         best = min(row.get("fp8_scaled_mm_gemm_ms", float("inf")), row.get("fp8_triton_gemm_ms", float("inf")))
         row["speedup_gemm"] = row["bf16_eager_ms"] / best
         row["speedup_linear_incl_quant"] = row["bf16_eager_ms"] / row.get("fp8_linear_incl_quant_ms", float("inf"))
+        row["speedup_module_fwd"] = row["bf16_eager_ms"] / row.get("fp8_module_fwd_ms", float("inf"))
+        row["speedup_fwd_bwd"] = row.get("bf16_fwd_bwd_ms", float("nan")) / row.get("fp8_module_fwd_bwd_ms", float("inf"))
         out.append(row)
+        del x, w, dy, qx, qw, qdyt, qdy, qxt, wq, ref, mod, xg
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     RESULTS["fp8"] = out
     f = lambda r, k: f"{r[k]:.3f}" if k in r else "err"  # noqa: E731
-    table(f"FP8 blockwise (1x128 act, 128x128 weight) vs bf16, M={m}", ["shape", "N", "K", "bf16 ms", "bf16 compile ms", "fp8 scaled_mm ms", "fp8 triton ms", "fp8 linear+quant ms", "GEMM speedup", "linear speedup"],
+    table(f"FP8 blockwise (1x128 act, 128x128 weight) vs bf16, forward, M={m}", ["shape", "N", "K", "bf16 ms", "bf16 compile ms", "fp8 scaled_mm ms", "fp8 triton ms", "fp8 linear+quant ms", "fp8 module fwd ms", "GEMM speedup", "linear speedup", "module fwd speedup"],
           [[r["shape"], r["N"], r["K"], f(r, "bf16_eager_ms"), f(r, "bf16_compile_ms"), f(r, "fp8_scaled_mm_gemm_ms"), f(r, "fp8_triton_gemm_ms"),
-            f(r, "fp8_linear_incl_quant_ms"), f"{r['speedup_gemm']:.2f}x", f"{r['speedup_linear_incl_quant']:.2f}x"] for r in out])
+            f(r, "fp8_linear_incl_quant_ms"), f(r, "fp8_module_fwd_ms"), f"{r['speedup_gemm']:.2f}x", f"{r['speedup_linear_incl_quant']:.2f}x", f"{r['speedup_module_fwd']:.2f}x"] for r in out])
+    table(f"FP8 linear forward+backward vs bf16 (dx and dW), M={m}", ["shape", "bf16 fwd+bwd ms", "fp8 module fwd+bwd ms", "fwd+bwd speedup", "quant x ms", "quant x GB/s", "quant dy (both) ms", "quant W (+W.T) ms", "dgrad scaled_mm ms", "wgrad scaled_mm ms", "W quantisations"],
+          [[r["shape"], f(r, "bf16_fwd_bwd_ms"), f(r, "fp8_module_fwd_bwd_ms"), f"{r['speedup_fwd_bwd']:.2f}x", f(r, "quant_x_ms"), f"{r['quant_x_gbs']:.0f}",
+            f(r, "quant_dy_both_ms"), f(r, "quant_w_ms"), f(r, "fp8_dgrad_scaled_mm_ms"), f(r, "fp8_wgrad_scaled_mm_ms"), r.get("fp8_module_weight_quantisations", "err")] for r in out])
+    print(FP8_LEGEND)
+
+
+FP8_LEGEND = """Columns (times are means over CUDA-synchronised loops; bf16 inputs, fp32 accumulation everywhere):
+  bf16 ms / bf16 compile ms: x @ W.T, eager / torch.compile.
+  fp8 scaled_mm ms / fp8 triton ms: the blockwise FP8 GEMM alone, x and W already quantised.
+  fp8 linear+quant ms: the free function fp8_linear(x, W) forward, no grad: quantise W (128x128) and x (1x128), GEMM.
+  fp8 module fwd ms: Fp8Linear forward with its weight cache warm: quantise x, GEMM (W quantised once per optimizer step).
+  bf16 fwd+bwd ms: nn.Linear forward + backward (dx = dy @ W and dW = dy.T @ x), grads reset each call.
+  fp8 module fwd+bwd ms: Fp8Linear the same, weight cache warm: quant x, GEMM; quant dy (rows and dy.T in one pass),
+    dgrad GEMM with the cached q(W).T, quant x.T, wgrad GEMM (bf16 out). Speedups are bf16 time / fp8 time.
+  quant x ms / GB/s: quantize_act(x) alone (3 bytes per element moved). quant dy (both): quantize_act_t(dy, both=True).
+  quant W (+W.T): quantize_weight(W, transposed=True), paid once per optimizer step by the module.
+  dgrad / wgrad scaled_mm ms: the backward GEMMs alone forced onto torch._scaled_mm (dgrad dy @ W: 1x128 x 128x128,
+    wgrad dy.T @ x: 1x128 x 1x128 scales); 'err' means the module's auto backend falls back to Triton there.
+  W quantisations: times the module quantised W during the timed loops (1 = every call hit the cache)."""
 
 
 # ---------------------------------------------------------------------------------- 3. loss

@@ -103,37 +103,232 @@ def test_fp8_recipe_trains_the_tiny_model():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("b_rows", [128, 1])  # 1: the wgrad GEMM (both operands in 1x128 tiles)
 @pytest.mark.parametrize("m,n,k", [(4096, 4096, 4096), (16384, 12288, 4096), (1000, 1024, 1024)])
-def test_gpu_paths_agree(m, n, k):
+def test_gpu_paths_agree(m, n, k, b_rows):
     a = torch.randn(m, k, device="cuda")
     b = torch.randn(n, k, device="cuda") * 0.02
     aq, sa = quantize_act(a)
-    bq, sb = quantize_weight(b)
-    ref = fp8_gemm_emulated(aq, sa, bq, sb, 128, torch.float32)
-    for backend in ("scaled_mm", "triton"):
-        out = fp8_gemm(aq, sa, bq, sb, 128, torch.bfloat16, backend).float()
+    bq, sb = quantize_weight(b) if b_rows == 128 else quantize_act(b)
+    ref = fp8_gemm_emulated(aq, sa, bq, sb, b_rows, torch.float32)
+    for backend in ("scaled_mm", "triton"):  # named, not "auto": a scaled_mm failure must not fall back silently
+        out = fp8_gemm(aq, sa, bq, sb, b_rows, torch.bfloat16, backend).float()
         assert (out - ref).norm() / ref.norm() < 1e-2, backend
 
 
-@pytest.mark.parametrize("rows", [1, 128])
-def test_triton_quantiser_matches_torch(rows):
-    from miles_nvidia.fp8.quant import quantize_blockwise
-    from miles_nvidia.fp8.quant_triton import quantize_triton
+def _bits(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)  # e4m3 compared bit for bit (also tells -0 from +0)
 
-    m = 20 if rows == 1 else 130  # the interpreter runs one program per tile: keep them few
-    x = (torch.randn(m, 300) * torch.logspace(-2, 2, 300)).to(torch.bfloat16)
-    q, s = quantize_triton(x, rows)
-    rq, rs = quantize_blockwise(x, rows)
-    assert torch.equal(s, rs)
-    q, rq = q.float(), rq.float()
-    if torch.cuda.is_available():
-        assert torch.equal(q, rq)
-    else:
-        # Triton 3.7's interpreter rounds fp32 -> e4m3 differently from the hardware: ties go away
-        # from zero (168 -> 176, not 160) and a round-up into the next binade loses its carry
-        # (1.99 -> 1.0, not 2.0). Every other value must match exactly.
-        off = q != rq
-        carry = (q[off] * 2 == rq[off]) & (rq[off].abs().log2() % 1 == 0)
-        tie = (q[off] - rq[off]).abs() <= torch.clamp(rq[off].abs() * 2**-3, min=2**-9)  # subnormal step 2^-9
-        assert bool((carry | tie).all())
-        assert off.float().mean() < 0.05
+
+def _hard_input(m: int, k: int, device: str, seed: int = 0) -> torch.Tensor:
+    """bf16 columns spanning 6 decades, a zero row, and rows of hand-placed e4m3 rounding cases: with
+    amax 448 the scale is exactly 1, so 1.0625 is a tie (-> 1.0, even), 1.1875 a tie (-> 1.25, even),
+    1.9375 rounds up across the binade (-> 2.0), 3 * 2^-10 a subnormal tie (-> 2^-8, even)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 3, k)
+    x[1] = 0.0
+    cases = torch.tensor([448.0, 1.0625, -1.1875, 1.9375, 3 * 2**-10, -3 * 2**-10, 1.0, 0.5])
+    for r in range(2, min(m, 12), 3):
+        x[r] = cases.repeat(k // 8 + 1)[:k]
+    return x.to(torch.bfloat16).to(device)
+
+
+@pytest.mark.parametrize("m,k", [(77, 384), (200, 256), (45, 320)])  # ragged token tiles; K = 320: a ragged column block
+def test_act_quantisers_bitwise_equal_torch(m, k, device):
+    """Triton (interpreter on CPU) vs the torch reference, bit for bit: 1x128 row tiles, the fused
+    transposed wgrad operand q(pad(x).T) and the 'both' variant (one read, both layouts)."""
+    from miles_nvidia.fp8.quant import quantize_blockwise
+    from miles_nvidia.fp8.quant_triton import quantize_act_t_triton, quantize_act_triton
+
+    x = _hard_input(m, k, device)
+    rq, rs = quantize_blockwise(x, 1)
+    assert float(rq[2, 1].float()) == 1.0 and float(rq[2, 2].float()) == -1.25 and float(rq[2, 3].float()) == 2.0
+    assert float(rq[2, 4].float()) == 2**-8 and rs[2, 0] == 1.0  # the hand-worked cases hold in the reference
+    q, s = quantize_act_triton(x)
+    assert torch.equal(_bits(q), _bits(rq)) and torch.equal(s, rs)
+    assert s.t().is_contiguous()  # M-major, as torch._scaled_mm takes it
+    mp = -(-m // 128) * 128
+    xt = torch.nn.functional.pad(x, (0, 0, 0, mp - m)).t()
+    rqt, rst = quantize_blockwise(xt, 1)
+    qt, st = quantize_act_t_triton(x)
+    assert qt.shape == (k, mp) and st.shape == (k, mp // 128) and st.t().is_contiguous()
+    assert torch.equal(_bits(qt), _bits(rqt)) and torch.equal(st, rst)
+    assert not bool(qt[:, m:].float().any())  # the token padding is zeros
+    qt2, st2, q2, s2 = quantize_act_t_triton(x, both=True)
+    assert torch.equal(_bits(qt2), _bits(rqt)) and torch.equal(st2, rst)
+    assert torch.equal(_bits(q2), _bits(rq)) and torch.equal(s2, rs)
+
+
+def test_weight_quantiser_bitwise_and_transposed(device):
+    """128x128 blocks, bit for bit, and q(W).T from the same pass equals quantising W.T."""
+    from miles_nvidia.fp8.quant import quantize_blockwise
+    from miles_nvidia.fp8.quant_triton import quantize_weight_triton
+
+    w = _hard_input(130, 256, device, seed=1)  # N not a multiple of 128
+    rq, rs = quantize_blockwise(w, 128)
+    q, s, qt = quantize_weight_triton(w, transposed=True)
+    assert torch.equal(_bits(q), _bits(rq)) and torch.equal(s, rs)
+    rqt, rst = quantize_blockwise(w.t(), 128)
+    assert torch.equal(_bits(qt), _bits(rqt)) and torch.equal(s.t(), rst)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k", [(16384, 4096), (16383, 12288), (1000, 1024)])
+def test_gpu_quantisers_bitwise_full_shapes(m, k):
+    from miles_nvidia.fp8.quant import quantize_act, quantize_act_t, quantize_blockwise, quantize_weight
+
+    x = _hard_input(m, k, "cuda")
+    rq, rs = quantize_blockwise(x, 1)
+    q, s = quantize_act(x)
+    assert torch.equal(_bits(q), _bits(rq)) and torch.equal(s, rs)
+    mp = -(-m // 128) * 128
+    rqt, rst = quantize_blockwise(torch.nn.functional.pad(x, (0, 0, 0, mp - m)).t(), 1)
+    qt, st, q2, s2 = quantize_act_t(x, both=True)
+    assert torch.equal(_bits(qt), _bits(rqt)) and torch.equal(st, rst)
+    assert torch.equal(_bits(q2), _bits(rq)) and torch.equal(s2, rs)
+    assert torch.equal(_bits(quantize_act_t(x)[0]), _bits(rqt))
+    w = x[:4096].contiguous()
+    rqw, rsw = quantize_blockwise(w, 128)
+    qw, sw, qwt = quantize_weight(w, transposed=True)
+    assert torch.equal(_bits(qw), _bits(rqw)) and torch.equal(sw, rsw) and torch.equal(_bits(qwt), _bits(rqw.t().contiguous()))
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.detach().float().flatten(), b.detach().float().flatten(), dim=0))
+
+
+def _fp8_vs_bf16_grads(m, n, k, device, backend):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * 0.02).to(device, torch.bfloat16)
+    dy = torch.randn(m, n, generator=g).to(device, torch.bfloat16)
+    lin = Fp8Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    lin.fp8_backend = backend
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    xa = x.clone().requires_grad_()
+    y = lin(xa)
+    y.backward(dy)
+    xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = xb @ wb.t()
+    ref.backward(dy)
+    assert lin.weight.grad.dtype == torch.bfloat16 and xa.grad.dtype == torch.bfloat16
+    assert lin.fp8_cache.quantisations == 1 and torch.equal(_bits(lin.fp8_cache.value.qt), _bits(quantize_weight(w)[0].t().contiguous()))
+    return _cos(y, ref), _cos(xa.grad, xb.grad), _cos(lin.weight.grad, wb.grad)
+
+
+def test_fp8_linear_module_grads_match_bf16():
+    """Fp8Linear (torch quantisers + emulated GEMM on CPU) vs the bf16 linear, M = 132 tokens (the
+    wgrad reduction is zero-padded to 256): output, dx and dW cosines."""
+    for c in _fp8_vs_bf16_grads(132, 384, 256, "cpu", "emulated"):
+        assert c > 0.99, c
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_gpu_fp8_linear_module_grads_match_bf16(backend):
+    """Qwen3-8B qkv shape with a ragged token count, through the Triton quantisers on the GPU."""
+    for c in _fp8_vs_bf16_grads(4095, 6144, 4096, "cuda", backend):
+        assert c > 0.99, c
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw", "adamw_foreach"])
+def test_weight_cache_reused_until_the_optimizer_steps(opt):
+    """Two micro-batches of one step reuse one quantisation of W (same tensors); the in-place
+    optimizer step bumps W._version, so the next forward re-quantises and equals a fresh fp8_linear."""
+    from miles_nvidia.fp8.linear import clear_fp8_cache
+
+    torch.manual_seed(0)
+    lin = Fp8Linear(256, 384, bias=False, dtype=torch.bfloat16)
+    lin.fp8_backend = "emulated"
+    x, dy = torch.randn(2, 33, 256, dtype=torch.bfloat16), torch.randn(2, 33, 384, dtype=torch.bfloat16)
+    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1), "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False),
+            "adamw_foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True)}[opt]
+    optim = make(lin.parameters())
+    y1 = lin(x)
+    first = lin.fp8_cache.value
+    y1.backward(dy)
+    y2 = lin(x)
+    y2.backward(dy)
+    assert lin.fp8_cache.quantisations == 1 and lin.fp8_cache.value is first and torch.equal(y1, y2)
+    optim.step()
+    y3 = lin(x)
+    assert lin.fp8_cache.quantisations == 2 and lin.fp8_cache.value is not first
+    assert not torch.equal(y3, y1) and torch.equal(y3, fp8_linear(x, lin.weight, "emulated"))
+    assert torch.equal(lin.fp8_cache.value.q.view(torch.uint8), quantize_weight(lin.weight)[0].view(torch.uint8))
+    lin.load_state_dict({"weight": torch.zeros(384, 256)})  # copy_ under no_grad bumps the version too
+    assert not lin(x).any() and lin.fp8_cache.quantisations == 3
+    with torch.no_grad():
+        lin.weight.data.fill_(1.0)  # through .data: invisible to the version counter...
+    assert not lin(x).any()  # ...so the stale cache is used
+    clear_fp8_cache(lin)
+    assert lin(x).abs().sum() > 0 and lin.fp8_cache.quantisations == 1
+    with torch.inference_mode():
+        lin(x)
+    assert lin.fp8_cache.quantisations == 1  # inference mode never fills the cache
+
+
+def test_scaled_mm_scale_layouts_pass_torch_checks():
+    """The three GEMMs of a linear, on meta tensors laid out as the Triton quantisers return them:
+    torch's _scaled_mm shape/stride checks run without a GPU (a rejected layout raises here instead of
+    falling back to Triton silently on the H200, as the first wgrad layout did)."""
+    from miles_nvidia.fp8.gemm import fp8_gemm_scaled_mm
+
+    m, n, k = 384, 256, 640  # tokens, out, in
+    f8 = dict(dtype=torch.float8_e4m3fn, device="meta")
+    act_scale = lambda rows, cols: torch.empty(-(-cols // 128), rows, device="meta").t()  # noqa: E731  [rows, cols/128], rows-major
+    w, wt = torch.empty(n, k, **f8), torch.empty(k, n, **f8)
+    sw = torch.empty(n // 128, k // 128, device="meta")
+    y = fp8_gemm_scaled_mm(torch.empty(m, k, **f8), act_scale(m, k), w, sw, 128)  # forward
+    dx = fp8_gemm_scaled_mm(torch.empty(m, n, **f8), act_scale(m, n), wt, sw.t().contiguous(), 128)  # dgrad
+    dw = fp8_gemm_scaled_mm(torch.empty(n, m, **f8), act_scale(n, m), torch.empty(k, m, **f8), act_scale(k, m), 1)  # wgrad
+    assert y.shape == (m, n) and dx.shape == (m, k) and dw.shape == (n, k)
+
+
+def test_quantisers_compile_for_sm90_with_exact_division_and_rne_cast():
+    """Ahead-of-time compile of the GPU configurations for sm90 (no GPU needed: Triton's bundled
+    ptxas; in a subprocess, as this one runs under the interpreter): the PTX must divide with div.rn
+    (IEEE) and cast with cvt.rn.satfinite.e4m3x2 (round to nearest even), the two operations the
+    bitwise equality with torch rests on, and ptxas must not spill."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("sm90_ptx.py")
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    if run.returncode == 3:  # a Triton build without the NVIDIA toolchain
+        pytest.skip(run.stdout.strip())
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout)
+    assert len(report) == 4
+    for name, r in report.items():
+        assert r["div_rn"] and not r["div_approx"] and r["cvt_rne_e4m3"], (name, r)
+        assert r["spill_bytes"] == 0, (name, r)
+
+
+def test_trainer_optimizer_step_invalidates_the_weight_cache():
+    """The cache relies on the optimizer bumping W._version. torch's fused optimizers (fused=True)
+    do not (torch 2.13: the weights change, the counter stays), so a TorchTrainer whose optimizer
+    became fused would train on stale FP8 weights: this guards the trainer's optimizer."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from nvidia_helpers import tiny_pair
+
+    trainer, _, _ = tiny_pair("fp8", "cpu", "cpu", hidden_size=128, num_heads=4, head_dim=32, intermediate_size=256)
+    lins = [m for m in trainer.model.modules() if isinstance(m, Fp8Linear)]
+    assert len(lins) >= 4  # q_proj, o_proj, gate/up/down of each layer (k/v are 64 wide: not converted)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    for lin in lins:
+        lin(x[:, : lin.in_features] if lin.in_features == 128 else torch.randn(3, lin.in_features, dtype=torch.bfloat16))
+    for p in trainer.model.parameters():
+        p.grad = torch.randn_like(p)
+    trainer.optimizer.step()
+    for lin in lins:
+        y = lin(torch.ones(2, lin.in_features, dtype=torch.bfloat16))
+        assert lin.fp8_cache.quantisations == 2, "the optimizer step did not invalidate the FP8 weight cache"
+        assert torch.equal(y, fp8_linear(torch.ones(2, lin.in_features, dtype=torch.bfloat16), lin.weight, lin.fp8_backend))

@@ -4,8 +4,11 @@
 scales [N/128, K/128] (``b_rows=128``, a weight) or 1x128 scales [N, K/128] (``b_rows=1``, the
 weight-gradient GEMM). Three implementations, best first:
 
-* ``torch._scaled_mm`` with blockwise scales (cuBLAS >= 12.9 on sm90, torch >= 2.9): scales
-  must be "outer-dim-major" and the 128x128 scale's K/128 dim padded to a multiple of 4;
+* ``torch._scaled_mm`` with blockwise scales (cuBLAS >= 12.9 on sm90, torch >= 2.9): 1x128 scales
+  "outer-dim-major" (``scale_a`` [M, K/128] with strides (1, M); for ``b_rows=1`` ``scale_b``
+  [K/128, N] contiguous), 128x128 scales row-major (``scale_b = b_s.t()``). A layout torch rejects
+  raises, and ``backend="auto"`` then falls back to Triton *silently* (the first wgrad layout did);
+  the GPU test names the backend so that this cannot hide;
 * a Triton kernel: one K tile of 128 per step, each partial product multiplied by its two scales
   before it is added (the same arithmetic as DeepSeek-V3's fine-grained scaling);
 * a torch emulation (dequantise, then matmul in fp32), the reference for tests and CPU runs.
@@ -29,13 +32,11 @@ def fp8_gemm_emulated(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16)
 
 def fp8_gemm_scaled_mm(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16) -> torch.Tensor:
     m, k = a_q.shape
-    sa = a_s.t().contiguous().t()  # [M, K/128], M-major
-    if b_rows == 1:
-        sb = b_s.t().contiguous().t()  # [N, K/128], N-major
-    else:
-        kb = b_s.shape[1]
-        pad = (-kb) % 4
-        sb = torch.nn.functional.pad(b_s, (0, pad)).contiguous().t()  # [L4, N/128], stride (1, L4)
+    sa = a_s.t().contiguous().t()  # [M, K/128], M-major (a no-op for the Triton quantisers' layout)
+    if b_rows == 1:  # scale_b of mat2 = b_q.t() [K, N] is [K/128, N] contiguous (torch checks scale_b.t())
+        sb = b_s.t().contiguous()
+    else:  # 128x128: scale_b.t() must be [N/128, K/128] row-major, unpadded (checked by torch)
+        sb = b_s.contiguous().t()
     return torch._scaled_mm(a_q, b_q.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
 
 

@@ -1,11 +1,28 @@
 """FP8 linear layers for training, and the ``fp8`` precision recipe.
 
-Forward ``y = x @ W.T`` with x in 1x128 tiles and W in 128x128 blocks; backward does both GEMMs
-in FP8 as well: ``dx = dy @ W`` (dy in 1x128 tiles along N, W's blocks transposed) and
-``dW = dy.T @ x`` (dy.T and x.T in 1x128 tiles along the token dim), all accumulated in fp32 and
-returned in bf16. Master weights stay in bf16 (``param_dtype``); the FP8 copies are made on the fly
-each step, so the optimizer never sees FP8. Departure from DeepSeek-V3: no fp32 master copy and
-no delayed/cached weight quantisation (simpler; costs one weight quantisation per forward).
+Forward ``y = x @ W.T`` with x [M, K] in 1x128 tiles and W [N, K] in 128x128 blocks; backward does
+both GEMMs in FP8 as well: ``dx = dy @ W`` (dy [M, N] in 1x128 tiles along N, ``q(W).T`` [K, N] with
+the transposed block scales) and ``dW = dy.T @ x`` (dy.T [N, Mp] and x.T [K, Mp] in 1x128 tiles along
+the token dim, Mp = M rounded up to 128 with zero tokens), all accumulated in fp32 and returned in
+the input's / weight's dtype. Master weights stay in bf16 (``param_dtype``), so the optimizer never
+sees FP8. Quantisation passes per training step of one linear: x (forward), x.T and dy / dy.T from
+one read of dy (backward), and the weight once per optimizer step (below).
+
+Weight cache (departure from DeepSeek-V3's "quantise on the fly" and from this module's first
+version): :class:`Fp8Linear` keeps, on the module instance, one quantisation of its weight --
+``q(W)``, its block scales and ``q(W).T`` for the dgrad GEMM (128x128 block scales do not change under
+transposition, so one pass gives both) -- keyed on ``(data_ptr, W._version, shape, dtype)``. Autograd
+bumps ``_version`` on every in-place write through the parameter (for-loop and foreach optimizer
+steps, ``load_state_dict``, ``copy_``), so the cache is recomputed exactly when the weight changes,
+and reused across the micro-batches of one step and by activation-checkpointing recomputes. Costs
+2 bytes per weight element of GPU memory. Caution: torch's *fused* optimizers (``fused=True``) change
+the weights without bumping ``_version`` (torch 2.13), so they need :func:`clear_fp8_cache` after each
+step; the trainer's AdamW is foreach/for-loop (guarded by a test).
+Not cached (quantised every forward, as before): under ``torch.distributed`` (FSDP2 all-gathers new
+values into the same unsharded storage with the version counter preserved, see
+``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``), under ``torch.compile`` tracing and
+inference mode. Writes through ``.data`` are invisible to the version counter: call
+:func:`clear_fp8_cache` after one. The free function :func:`fp8_linear` quantises W every call.
 The LM head stays in bf16 (the logprob op reads it directly).
 """
 
@@ -19,51 +36,108 @@ from torch import nn
 
 from miles_core.precision.base import PrecisionRecipe
 from miles_nvidia.fp8.gemm import fp8_gemm
-from miles_nvidia.fp8.quant import BLOCK, quantize_act, quantize_weight
+from miles_nvidia.fp8.quant import BLOCK, quantize_act, quantize_act_t, quantize_weight
 
 
-def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    pad = (-x.shape[0]) % multiple
-    return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
+@dataclass(frozen=True)
+class Fp8Weight:
+    """One quantisation of a weight [N, K]: ``q`` [N, K] e4m3 with 128x128 scales ``s``
+    [N/128, K/128], and ``qt = q.T`` [K, N] contiguous with ``st = s.T`` contiguous (dgrad; None
+    when made with ``transposed=False``)."""
+
+    q: torch.Tensor
+    s: torch.Tensor
+    qt: torch.Tensor | None
+    st: torch.Tensor | None
+
+    @classmethod
+    def of(cls, w: torch.Tensor, transposed: bool = True) -> Fp8Weight:
+        with torch.no_grad():
+            if not transposed:
+                return cls(*quantize_weight(w.detach()), None, None)
+            q, s, qt = quantize_weight(w.detach(), transposed=True)
+        return cls(q, s, qt, s.t().contiguous())
+
+
+@dataclass
+class Fp8WeightCache:
+    """Per-module cache of :class:`Fp8Weight` (see the module docstring for when it is recomputed)."""
+
+    key: tuple | None = None
+    value: Fp8Weight | None = None
+    quantisations: int = 0  # how many times the weight was quantised (tests and benchmarks read it)
+
+    def get(self, w: torch.Tensor) -> Fp8Weight:
+        key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device)
+        if key != self.key or self.value is None:
+            self.key, self.value = key, Fp8Weight.of(w)
+            self.quantisations += 1
+        return self.value
+
+
+def _cacheable(w: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or w.is_inference():  # compiling first: dynamo folds it
+        return False
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, backend):
+    def forward(ctx, x, weight, backend, wq):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        qw, sw = quantize_weight(weight)
+        wq = wq if wq is not None else Fp8Weight.of(weight, transposed=ctx.needs_input_grad[0])  # q(W).T: dgrad only
         qx, sx = quantize_act(x2)
-        y = fp8_gemm(qx, sx, qw, sw, BLOCK, torch.bfloat16, backend)
-        ctx.save_for_backward(x2, qw, sw)
-        ctx.backend, ctx.shape, ctx.wdtype = backend, shape, weight.dtype
+        y = fp8_gemm(qx, sx, wq.q, wq.s, BLOCK, torch.bfloat16, backend)
+        ctx.save_for_backward(x2)
+        ctx.wq, ctx.backend, ctx.shape, ctx.xdtype, ctx.wdtype = wq, backend, shape, x.dtype, weight.dtype
         return y.view(*shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        x2, qw, sw = ctx.saved_tensors
+        (x2,) = ctx.saved_tensors
+        wq, backend = ctx.wq, ctx.backend
         dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16)
-        qdy, sdy = quantize_act(dy2)
-        dx = fp8_gemm(qdy, sdy, qw.t().contiguous(), sw.t().contiguous(), BLOCK, torch.bfloat16, ctx.backend)
-        # dW = dy.T @ x: the reduction runs over tokens, padded with zero rows to whole tiles
-        dyt, xt = _pad_rows(dy2, BLOCK).t().contiguous(), _pad_rows(x2, BLOCK).t().contiguous()
-        qa, sa = quantize_act(dyt)
-        qb, sb = quantize_act(xt)
-        dw = fp8_gemm(qa, sa, qb, sb, 1, torch.float32, ctx.backend)
-        return dx.view(ctx.shape).to(dy.dtype), dw.to(ctx.wdtype), None
+        # one read of dy: its 1x128 row tiles (dgrad) and the tiles of dy.T along tokens (wgrad)
+        qdyt, sdyt, qdy, sdy = quantize_act_t(dy2, both=True)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = fp8_gemm(qdy, sdy, wq.qt, wq.st, BLOCK, torch.bfloat16, backend).view(ctx.shape).to(ctx.xdtype)
+        if ctx.needs_input_grad[1]:  # dW = dy.T @ x, reduced over tokens (zero-padded to whole tiles)
+            qxt, sxt = quantize_act_t(x2)
+            out = ctx.wdtype if ctx.wdtype in (torch.bfloat16, torch.float32) else torch.float32
+            dw = fp8_gemm(qdyt, sdyt, qxt, sxt, 1, out, backend).to(ctx.wdtype)
+        return dx, dw, None, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    return _Fp8LinearFn.apply(x, weight, backend)
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto", wq: Fp8Weight | None = None) -> torch.Tensor:
+    """``x @ weight.T`` through blockwise FP8; ``wq`` a quantisation of ``weight`` to reuse (else made here)."""
+    return _Fp8LinearFn.apply(x, weight, backend, wq)
 
 
 class Fp8Linear(nn.Linear):
-    """An ``nn.Linear`` (no bias) computing through :func:`fp8_linear`; same parameters and names."""
+    """An ``nn.Linear`` (no bias) computing through :func:`fp8_linear`; same parameters and names.
+    Holds ``fp8_cache`` (:class:`Fp8WeightCache`), made on first use (modules become Fp8Linear by a
+    class swap, so ``__init__`` does not run)."""
 
     fp8_backend = "auto"
 
+    def fp8_weight(self) -> Fp8Weight | None:
+        if not _cacheable(self.weight):
+            return None
+        if "fp8_cache" not in self.__dict__:
+            self.fp8_cache = Fp8WeightCache()
+        return self.fp8_cache.get(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.fp8_backend)
+        return fp8_linear(x, self.weight, self.fp8_backend, self.fp8_weight())
+
+
+def clear_fp8_cache(model: nn.Module) -> None:
+    """Drop every :class:`Fp8Linear`'s cached weight quantisation (after writes through ``.data``)."""
+    for mod in model.modules():
+        if isinstance(mod, Fp8Linear):
+            mod.__dict__.pop("fp8_cache", None)
 
 
 def convert_to_fp8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> list[str]:

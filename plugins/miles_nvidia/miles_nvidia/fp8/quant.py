@@ -43,19 +43,40 @@ def dequantize_blockwise(q: torch.Tensor, scale: torch.Tensor, rows: int, cols: 
     return (q.float() * full).to(dtype)
 
 
-def _quantize(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if x.is_cuda:  # one fused pass instead of ~6 torch passes
-        from miles_nvidia.fp8.quant_triton import quantize_triton
-
-        return quantize_triton(x, rows)
-    return quantize_blockwise(x, rows)
+def _pad_rows(x: torch.Tensor, multiple: int = BLOCK) -> torch.Tensor:
+    pad = (-x.shape[0]) % multiple
+    return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
 
 
+# On CUDA each function below runs one fused Triton pass (miles_nvidia.fp8.quant_triton), bitwise
+# equal to the torch reference used elsewhere.
 def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """1x128 tiles: ``scale`` [M, ceil(K/128)]."""
-    return _quantize(x, 1)
+    """1x128 tiles: ``x`` [M, K] -> ``q`` [M, K], ``scale`` [M, ceil(K/128)]."""
+    if x.is_cuda:
+        from miles_nvidia.fp8.quant_triton import quantize_act_triton
+
+        return quantize_act_triton(x)
+    return quantize_blockwise(x, 1)
 
 
-def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """128x128 blocks: ``scale`` [ceil(N/128), ceil(K/128)]."""
-    return _quantize(w, BLOCK)
+def quantize_act_t(x: torch.Tensor, both: bool = False):
+    """1x128 tiles of ``x.T`` along the token dim, for the weight-gradient GEMM: ``x`` [M, K] ->
+    ``qt`` [K, Mp], ``st`` [K, Mp/128] with ``Mp = ceil(M/128)*128`` (zero rows pad the tokens).
+    With ``both``, returns ``(qt, st, q, s)``, adding :func:`quantize_act` of ``x``."""
+    if x.is_cuda:
+        from miles_nvidia.fp8.quant_triton import quantize_act_t_triton
+
+        return quantize_act_t_triton(x, both)
+    qt, st = quantize_blockwise(_pad_rows(x).t(), 1)
+    return (qt, st, *quantize_blockwise(x, 1)) if both else (qt, st)
+
+
+def quantize_weight(w: torch.Tensor, transposed: bool = False):
+    """128x128 blocks: ``w`` [N, K] -> ``q`` [N, K], ``scale`` [ceil(N/128), ceil(K/128)]; with
+    ``transposed`` also ``q.T`` [K, N] contiguous (``q(W.T) == q(W).T``, scales ``scale.T``)."""
+    if w.is_cuda:
+        from miles_nvidia.fp8.quant_triton import quantize_weight_triton
+
+        return quantize_weight_triton(w, transposed)
+    q, s = quantize_blockwise(w, BLOCK)
+    return (q, s, q.t().contiguous()) if transposed else (q, s)

@@ -1,5 +1,29 @@
-"""Triton versions of :func:`quantize_act` / :func:`quantize_weight` (one pass over the tensor:
-block amax, scale, divide, saturate, cast), the same arithmetic as :mod:`miles_nvidia.fp8.quant`."""
+"""Triton quantisers, bitwise equal to the torch reference :func:`miles_nvidia.fp8.quant.quantize_blockwise`.
+
+Same arithmetic as the reference: ``amax = max(max|tile|, 1e-12)``, ``s = amax / 448``,
+``q = cast_e4m3(clamp(x / s, -448, 448))``, both divisions IEEE round-to-nearest (``div_rn``; Triton's
+``/`` is an approximate division on NVIDIA GPUs), the cast round-to-nearest-even.
+
+* :func:`quantize_act_triton` -- 1x128 tiles along K: ``x`` [M, K] -> ``q`` [M, K], ``s`` [M, K/128].
+  Each program takes a [16, 128] tile (one amax per row), not one row (a program per 1x128
+  tile made M*K/128 programs of 128 elements, slower than the GEMM it feeds).
+* :func:`quantize_act_t_triton` -- the wgrad operand: 1x128 tiles of ``x.T`` along the token dim, i.e.
+  ``q(pad(x).T)`` [K, Mp] and ``s`` [K, Mp/128] with ``Mp = ceil(M/128)*128``, reading ``x`` [M, K]
+  once: each program loads a [128 tokens, 64] tile, takes the amax down each column and stores
+  the tile transposed; the zero rows M..Mp are the masked loads, so no padded or transposed copy of x
+  is made. ``both=True`` also returns the 1x128 row tiles from the same DRAM read (backward's dy):
+  a program takes the column amax of a [128, 128] block, then reloads it piecewise from cache.
+* :func:`quantize_weight_triton` -- 128x128 blocks, ``s`` [N/128, K/128]; with ``transposed=True`` also
+  ``q(W).T`` [K, N] (a block's scale does not change under transposition, so ``q(W.T) = q(W).T`` and
+  its scales are ``s.T``).
+
+Scales are returned as dequantisation multipliers in outer-dim-major storage (``s.t()`` contiguous),
+the layout ``torch._scaled_mm`` wants for 1x128 scales, so no copy is made before the GEMM.
+
+Under ``TRITON_INTERPRET=1`` the e4m3 cast is preceded by an explicit round-to-nearest-even in fp32
+(:func:`_to_e4m3`): Triton 3.7's interpreter truncates on fp32 -> e4m3 (ties away, lost carries, tiny
+values flushed to 0); it casts exactly representable values exactly, so the result matches the GPU.
+"""
 
 from __future__ import annotations
 
@@ -8,35 +32,165 @@ import triton
 import triton.language as tl
 
 from miles_nvidia.fp8.quant import BLOCK, E4M3, E4M3_MAX
+from miles_nvidia.runtime import interpreting
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm, s_sm, ROWS: tl.constexpr, COLS: tl.constexpr, QMAX: tl.constexpr):
-    rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    rk = tl.program_id(1) * COLS + tl.arange(0, COLS)
+def _to_e4m3(q, EMULATE_RNE: tl.constexpr):
+    """fp32 in [-448, 448] -> e4m3, round to nearest even."""
+    if EMULATE_RNE:  # interpreter only: round in fp32 so that the cast below is exact
+        u = q.to(tl.uint32, bitcast=True)
+        sign = u & 0x80000000
+        a = (u ^ sign).to(tl.float32, bitcast=True)
+        # below 2^-6 (e4m3 subnormals) the step is 2^-9: the fp32 ulp of 1.5 * 2^14
+        sub = (a + 24576.0) - 24576.0
+        # normal range: round fp32's 23 mantissa bits to e4m3's 3 (a carry bumps the exponent)
+        b = a.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFFF + ((b >> 20) & 1)) & 0xFFF00000
+        r = tl.where(a < 0.015625, sub, b.to(tl.float32, bitcast=True))
+        q = (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return q.to(tl.float8e4nv)
+
+
+@triton.jit
+def _scale(amax, QMAX: tl.constexpr):
+    """The dequantisation multiplier of tiles whose abs-max is ``amax``."""
+    amax = tl.maximum(amax, 1e-12)
+    return tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+
+
+@triton.jit
+def _quant(x, scale, QMAX: tl.constexpr):
+    """``clamp(x / scale)`` in fp32 (``scale`` broadcastable to x)."""
+    q = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))  # div_rn does not broadcast
+    return tl.minimum(tl.maximum(q, -QMAX), QMAX)
+
+
+@triton.jit
+def _act_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm, s_sk,
+                     BLOCK_M: tl.constexpr, TILE: tl.constexpr, QMAX: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M*K may pass 2^31
+    rk = tl.program_id(1) * TILE + tl.arange(0, TILE)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     x = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    if ROWS == 1:
-        amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-12)  # [1]
-        scale = amax / QMAX
-        q = x / scale[:, None]
-        tl.store(s_ptr + rm * s_sm + tl.program_id(1), scale, mask=rm < M)
-    else:
-        amax = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-12)
-        scale = amax / QMAX
-        q = x / scale
-        tl.store(s_ptr + tl.program_id(0) * s_sm + tl.program_id(1), scale)
-    q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
-    tl.store(q_ptr + rm[:, None] * s_qm + rk[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    scale = _scale(tl.max(tl.abs(x), 1)[:, None], QMAX)  # [BLOCK_M, 1]
+    q = _quant(x, scale, QMAX)
+    tl.store(q_ptr + rm[:, None] * s_qm + rk[None, :], _to_e4m3(q, EMULATE_RNE), mask=mask)
+    tl.store(s_ptr + tl.program_id(1) * s_sk + rm[:, None], scale, mask=rm[:, None] < M)
 
 
-def quantize_triton(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` = 1 (1x128 tiles) or 128 (128x128 blocks); ``x`` [M, K] with unit last stride."""
-    x = x if x.stride(-1) == 1 else x.contiguous()
+@triton.jit
+def _act_cols_kernel(x_ptr, qt_ptr, st_ptr, M, K, s_xm, s_qtk, s_stm,
+                     BLOCK_K: tl.constexpr, TILE: tl.constexpr, QMAX: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    rm = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)  # tokens; rows M..Mp load as zeros
+    rk = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale = _scale(tl.max(tl.abs(x), 0)[None, :], QMAX)  # one per column: [1, BLOCK_K]
+    qt = tl.trans(_to_e4m3(_quant(x, scale, QMAX), EMULATE_RNE))  # [BLOCK_K, TILE]
+    tl.store(qt_ptr + rk[:, None] * s_qtk + rm[None, :], qt, mask=rk[:, None] < K)
+    tl.store(st_ptr + tl.program_id(0) * s_stm + rk[None, :], scale, mask=rk[None, :] < K)
+
+
+@triton.jit
+def _act_both_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, s_xm, s_qm, s_sk, s_qtk, s_stm,
+                     SUB_M: tl.constexpr, TILE: tl.constexpr, QMAX: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """Both layouts of one [128 tokens, 128] block, in [SUB_M, 128] pieces (few registers a thread):
+    pass 1 takes the column amax; pass 2 reloads each piece (from cache), whose row amax is whole
+    within it, and stores the row tiles and the transposed tiles."""
+    rk = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
+    m0 = tl.program_id(0).to(tl.int64) * TILE
+    col_amax = tl.zeros((1, TILE), tl.float32)
+    for i in range(0, TILE // SUB_M):
+        rm = m0 + i * SUB_M + tl.arange(0, SUB_M)
+        x = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        col_amax = tl.maximum(col_amax, tl.max(tl.abs(x.to(tl.float32)), 0)[None, :])
+    sc = _scale(col_amax, QMAX)  # [1, TILE]
+    tl.store(st_ptr + tl.program_id(0) * s_stm + rk[None, :], sc, mask=rk[None, :] < K)
+    for i in range(0, TILE // SUB_M):
+        rm = m0 + i * SUB_M + tl.arange(0, SUB_M)
+        mask = (rm[:, None] < M) & (rk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        sr = _scale(tl.max(tl.abs(x), 1)[:, None], QMAX)  # [SUB_M, 1]
+        tl.store(q_ptr + rm[:, None] * s_qm + rk[None, :], _to_e4m3(_quant(x, sr, QMAX), EMULATE_RNE), mask=mask)
+        tl.store(s_ptr + tl.program_id(1) * s_sk + rm[:, None], sr, mask=rm[:, None] < M)
+        qt = tl.trans(_to_e4m3(_quant(x, sc, QMAX), EMULATE_RNE))  # [TILE, SUB_M]
+        tl.store(qt_ptr + rk[:, None] * s_qtk + rm[None, :], qt, mask=rk[:, None] < K)
+
+
+@triton.jit
+def _weight_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, s_wn, s_qn, s_qtk, s_sn,
+                   TILE: tl.constexpr, QMAX: tl.constexpr, TRANSPOSED: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    rn = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    rk = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
+    mask = (rn[:, None] < N) & (rk[None, :] < K)
+    x = tl.load(w_ptr + rn[:, None] * s_wn + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale = _scale(tl.max(tl.max(tl.abs(x), 1, keep_dims=True), 0, keep_dims=True), QMAX)  # [1, 1]
+    q8 = _to_e4m3(_quant(x, scale, QMAX), EMULATE_RNE)
+    tl.store(q_ptr + rn[:, None] * s_qn + rk[None, :], q8, mask=mask)
+    if TRANSPOSED:
+        tl.store(qt_ptr + rk[:, None] * s_qtk + rn[None, :], tl.trans(q8), mask=(rk[:, None] < K) & (rn[None, :] < N))
+    tl.store(s_ptr + tl.program_id(0) * s_sn + tl.program_id(1) + tl.zeros((1, 1), tl.int32), scale)
+
+
+def _warps(n: int) -> dict:
+    return {} if interpreting() else {"num_warps": n}
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    assert x.dim() == 2, x.shape
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def quantize_act_triton(x: torch.Tensor, block_m: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] -> ``q`` [M, K] e4m3, ``s`` [M, ceil(K/128)] fp32 (M-major storage)."""
+    x = _unit_stride(x)
     m, k = x.shape
+    bm = block_m or 16  # 16 rows x 128 columns over 8 warps: 8 elements a thread, ~52 registers on sm90
     q = torch.empty(m, k, dtype=E4M3, device=x.device)
-    s = torch.empty(triton.cdiv(m, rows), triton.cdiv(k, BLOCK), dtype=torch.float32, device=x.device)
+    st = torch.empty(triton.cdiv(k, BLOCK), m, dtype=torch.float32, device=x.device)
     if m and k:
-        _quant_kernel[(triton.cdiv(m, rows), triton.cdiv(k, BLOCK))](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
-                                                                     ROWS=rows, COLS=BLOCK, QMAX=E4M3_MAX)
-    return q, s
+        _act_rows_kernel[(triton.cdiv(m, bm), triton.cdiv(k, BLOCK))](  # tokens on grid x (no 65535 cap)
+            x, q, st, m, k, x.stride(0), q.stride(0), st.stride(0),
+            BLOCK_M=bm, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(8))
+    return q, st.t()
+
+
+def quantize_act_t_triton(x: torch.Tensor, both: bool = False):
+    """``x`` [M, K] -> ``qt`` [K, Mp] e4m3, ``st`` [K, Mp/128] fp32 (K-major storage), the 1x128 tiles
+    of ``pad(x, Mp).T``; with ``both``, ``(qt, st, q, s)`` adding ``q`` [M, K], ``s`` [M, ceil(K/128)]
+    as :func:`quantize_act_triton` gives them, from the same read of ``x``."""
+    x = _unit_stride(x)
+    m, k = x.shape
+    mp = triton.cdiv(m, BLOCK) * BLOCK
+    qt = torch.empty(k, mp, dtype=E4M3, device=x.device)
+    stt = torch.empty(mp // BLOCK, k, dtype=torch.float32, device=x.device)
+    if not both:
+        if mp and k:
+            bk = 64  # [128, 64] over 16 warps: 16 elements a thread, ~60 registers on sm90
+            _act_cols_kernel[(mp // BLOCK, triton.cdiv(k, bk))](
+                x, qt, stt, m, k, x.stride(0), qt.stride(0), stt.stride(0),
+                BLOCK_K=bk, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(16))
+        return qt, stt.t()
+    q = torch.empty(m, k, dtype=E4M3, device=x.device)
+    sr = torch.empty(triton.cdiv(k, BLOCK), m, dtype=torch.float32, device=x.device)
+    if mp and k:
+        _act_both_kernel[(mp // BLOCK, triton.cdiv(k, BLOCK))](
+            x, q, sr, qt, stt, m, k, x.stride(0), q.stride(0), sr.stride(0), qt.stride(0), stt.stride(0),
+            SUB_M=32, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(16))  # ~99 registers on sm90
+    return qt, stt.t(), q, sr.t()
+
+
+def quantize_weight_triton(w: torch.Tensor, transposed: bool = False):
+    """``w`` [N, K] -> ``q`` [N, K] e4m3, ``s`` [ceil(N/128), ceil(K/128)] fp32; with ``transposed``
+    also ``qt = q.T`` [K, N] contiguous (its scales are ``s.T``)."""
+    w = _unit_stride(w)
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=E4M3, device=w.device)
+    qt = torch.empty(k, n, dtype=E4M3, device=w.device) if transposed else q
+    s = torch.empty(triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK), dtype=torch.float32, device=w.device)
+    if n and k:
+        _weight_kernel[(s.shape[0], s.shape[1])](
+            w, q, qt, s, n, k, w.stride(0), q.stride(0), qt.stride(0), s.stride(0),
+            TILE=BLOCK, QMAX=E4M3_MAX, TRANSPOSED=transposed, EMULATE_RNE=interpreting(), **_warps(8))
+    return (q, s, qt) if transposed else (q, s)
