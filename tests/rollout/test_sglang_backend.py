@@ -119,7 +119,8 @@ def test_builtin_engine_abort_all(tiny):
 
 def test_killed_engine_groups_are_resubmitted(backend, tiny):
     model, tok, _ = tiny
-    params = SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)
+    # long enough that the kill at 0.5 s lands mid-generation (the CPU engine decodes ~1500 tok/s per row)
+    params = SamplingParams(max_new_tokens=1500, temperature=0, ignore_eos=True)
     victim = backend.engines[0].server.proc.pid
     timer = threading.Timer(0.5, lambda: os.kill(victim, signal.SIGKILL))
     timer.start()

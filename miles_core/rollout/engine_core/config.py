@@ -25,6 +25,10 @@ class EngineConfig:
     # graphs, no Triton, no decode window): slower, but a precision recipe's kernel mode then sees the
     # same ops in rollout and training. Turned on by a batch-invariant precision recipe.
     exact_attention: bool = False
+    # CPU: run each decode window through cpu_decode.py (context gathered once per window, one SDPA
+    # call per layer and step, inference mode): same tokens, a fraction of the host overhead. False
+    # keeps the generic eager path (runner.decode). No effect on GPU or with exact_attention.
+    cpu_decode_window: bool = True
 
     def validate(self) -> None:
         for key in ("block_size", "max_num_seqs", "max_batched_tokens", "max_model_len", "decode_steps"):

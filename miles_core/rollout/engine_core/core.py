@@ -9,7 +9,9 @@ Each :meth:`EngineCore.step` asks the scheduler for a plan and runs it:
   context lengths advance on the device), and one copy to the host at the end hands the tokens
   and logprobs to the requests. Stop tokens, stop strings and length limits are checked then; a
   request that finished inside the window drops the tokens after its end (their K/V went to its
-  own pages or to the padding page, and are never read).
+  own pages or to the padding page, and are never read). On CPU the window runs through
+  :mod:`.cpu_decode` (``EngineConfig.cpu_decode_window``): contiguous K/V kept across windows,
+  a fraction of the per-step host work.
 
 The core is single-threaded; :mod:`miles_core.rollout.engine_core.threaded` drives it from a
 background thread for the HTTP server.
@@ -27,6 +29,7 @@ from torch import nn
 
 from miles_core.errors import ConfigError, DataError, MilesUserError
 from miles_core.rollout.base import SamplingParams
+from miles_core.rollout.engine_core import cpu_decode
 from miles_core.rollout.engine_core.attention import AttnBatch
 from miles_core.rollout.engine_core.blocks import BlockManager
 from miles_core.rollout.engine_core.config import EngineConfig
@@ -66,9 +69,11 @@ class EngineCore:
         self.max_model_len = min(self.cfg.max_model_len, model.config.max_position_embeddings)
         bs = self.cfg.block_size
         self.runner = ModelRunner(model, self.cfg, self.device, extra_blocks=-(-self.cfg.decode_steps // bs) + 1)
+        self._cpu = cpu_decode.CpuDecoder(self.runner)  # used when cfg.cpu_decode_window and on CPU
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # aborts, reported by the next step
+        self._st_cache: tuple[list[Request], SamplingTensors | None] = ([], None)  # see _sampling_tensors
         self.released: set[str] = set()
         self._allocate_kv()
 
@@ -86,6 +91,7 @@ class EngineCore:
     def _allocate_kv(self) -> None:
         n = self._num_blocks()
         self.runner.allocate_kv(n)
+        self._cpu.reset()
         self.blocks = BlockManager(n, self.cfg.block_size, self.cfg.prefix_caching)
         self.scheduler = Scheduler(self.cfg, self.blocks, lambda r: not self.runner.is_moe or r.leader is not None)
         s = self.cfg.max_num_seqs
@@ -103,6 +109,7 @@ class EngineCore:
             raise MilesUserError("release_memory: requests are in flight; abort or finish them first")
         if "kv_cache" in tags and "kv_cache" not in self.released:
             self.runner.free_kv()
+            self._cpu.reset()
             self.released.add("kv_cache")
         if "weights" in tags and "weights" not in self.released:
             self.runner.drop_graphs()
@@ -313,6 +320,14 @@ class EngineCore:
             self._table[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(vals, dtype=torch.int32, device=dev)
         slot_t = torch.tensor([r.slot for r in reqs], device=dev)
         last = torch.tensor([[r.output_ids[-1], r.num_tokens - 1, len(r.output_ids)] for r in reqs], dtype=torch.long, device=dev)
+        st = self._sampling_tensors(reqs)
+        if self.cfg.cpu_decode_window and cpu_decode.supported(run):
+            counters = last[:, 2]
+            w = self._cpu.window(reqs, last[:, 0], last[:, 1], self._table[slot_t], k, lambda z, j: sample(z, st, counters + j))
+            outputs = self._window_outputs(reqs, w.tokens, w.logprobs, w.tops, w.routes)
+            if not self.scheduler.running:  # nothing left to decode: free the kept K/V buffer
+                self._cpu.reset()
+            return outputs
         run.block_tables[:b] = self._table[slot_t]
         run.tokens[:b] = last[:, 0]
         run.positions[:b] = last[:, 1]
@@ -324,7 +339,6 @@ class EngineCore:
             run.ctx_lens[b:end] = 0
             run.block_tables[b:end] = 0
         counters = last[:, 2]
-        st = SamplingTensors.build([r.params for r in reqs], [r.seed for r in reqs], dev)
         max_ctx = min(-(-(max(r.num_tokens for r in reqs) + k) // p) * p, run.max_blocks * p)
         out_tok = torch.empty(b, k, dtype=torch.long, device=dev)
         out_lp = torch.empty(b, k, dtype=torch.float32, device=dev)
@@ -344,6 +358,19 @@ class EngineCore:
             run.positions[:b] += 1
             run.ctx_lens[:b] += 1
         run.end_window()
+        return self._window_outputs(reqs, out_tok, out_lp, tops, routes)
+
+    def _sampling_tensors(self, reqs: list[Request]) -> SamplingTensors:
+        """The rows' sampling tensors; the last window's when the rows are the same requests."""
+        rows, st = self._st_cache
+        if len(rows) != len(reqs) or not all(a is b for a, b in zip(rows, reqs)):
+            st = SamplingTensors.build([r.params for r in reqs], [r.seed for r in reqs], self.device)
+            self._st_cache = (list(reqs), st)
+        return st
+
+    def _window_outputs(self, reqs: list[Request], out_tok, out_lp, tops: list, routes: list) -> list[RequestOutput]:
+        """A decode window's tokens and logprobs [B, K] (and per-step top logprobs, routing) to the requests."""
+        b, k = out_tok.shape
         toks, lps = out_tok.tolist(), out_lp.tolist()
         top_rows = None
         if tops:
@@ -360,11 +387,12 @@ class EngineCore:
         params = req.params
         limit = final_len(req, self.max_model_len)
         take, reason, matched = len(toks), None, None
+        n0, stop_ids = req.num_tokens, req.stop_ids
         for i, t in enumerate(toks):
-            if t in req.stop_ids:
+            if t in stop_ids:
                 take, reason, matched = i + 1, "stop", t
                 break
-            if req.num_tokens + i + 1 >= limit:
+            if n0 + i + 1 >= limit:
                 take, reason = i + 1, "length"
                 break
         if params.stop and self.detokenize is not None:

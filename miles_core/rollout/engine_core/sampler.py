@@ -125,12 +125,14 @@ def sample(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor):
 def sample_torch(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor):
     """:func:`sample` in plain torch (the reference; the path on CPU and for top logprobs)."""
     z = logits.float()
-    greedy = st.temperature <= 0
-    temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
-    s = z / temp[:, None]
-    logp_all = torch.log_softmax(s, -1)
     token = z.argmax(-1)
-    if st.any_sampled:
+    if not st.any_sampled:  # all greedy: temperature 1 everywhere, skip the division (exact: z / 1 == z)
+        logp_all = torch.log_softmax(z, -1)
+    else:
+        greedy = st.temperature <= 0
+        temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
+        s = z / temp[:, None]
+        logp_all = torch.log_softmax(s, -1)
         filt = s
         if st.any_top_p_or_k or st.any_min_p:
             filt = s.masked_fill(s < _threshold(s, st)[:, None], float("-inf"))

@@ -1,0 +1,163 @@
+"""The CPU decode window (engine.cpu_decode_window, the CPU default) against the generic eager path
+(runner.decode over the paged cache): the same tokens, logprobs within 1e-5, the same MoE routing;
+its kept K/V buffer reused across windows and grown; the K/V it writes back to the pages right."""
+
+import pytest
+import torch
+from helpers import load_miles, make_hf_model
+
+from miles_core.models.decoder import Decoder, DecoderConfig
+from miles_core.rollout.base import SamplingParams
+from miles_core.rollout.engine_core.config import EngineConfig
+from miles_core.rollout.engine_core.core import EngineCore
+
+
+def tiny(seed=0, vocab=80):
+    torch.manual_seed(seed)
+    m = Decoder(DecoderConfig(vocab_size=vocab, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64))
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    return m.eval()
+
+
+def run(model, window: bool, script, **cfg):
+    """``script``: a list of (prompt, params) added at once, then stepped to the end; returns the requests."""
+    core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3, cpu_decode_window=window, **cfg))
+    reqs = [core.add_request(p, params)[0] for p, params in script[:2]]
+    core.step()  # the first two prefill, then decode; the rest join mid-flight (the window's batch changes)
+    core.step()
+    reqs += [core.add_request(p, params)[0] for p, params in script[2:]]
+    while core.has_unfinished():
+        core.step()
+    return reqs, core
+
+
+def assert_same(got, ref):
+    for g, r in zip(got, ref):
+        assert g.output_ids == r.output_ids
+        assert g.finish_reason == r.finish_reason
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
+
+
+P = [[3, 9, 27, 11, 40, 2, 8, 13, 50, 7], [4, 4, 61, 20, 33], [70, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 15], [5, 6]]
+
+
+def test_window_matches_generic_path_greedy_sampled_stops_and_joins():
+    model = tiny()
+    greedy = SamplingParams(max_new_tokens=17, temperature=0)
+    ref0, _ = run(model, False, [(P[0], greedy)])
+    stop_tok = ref0[0].output_ids[6]  # ends P[0]'s twin mid-window: the batch shrinks
+    script = [
+        (P[0], greedy),
+        (P[1], SamplingParams(max_new_tokens=23, temperature=0.9, seed=11)),
+        (P[2], SamplingParams(max_new_tokens=9, temperature=1.0, top_k=5, top_p=0.8, seed=3)),
+        (P[0], SamplingParams(max_new_tokens=17, temperature=0, stop_token_ids=[stop_tok])),
+        (P[3], SamplingParams(max_new_tokens=30, temperature=0.7, seed=2, top_logprobs=3)),
+    ]
+    got, _ = run(model, True, script)
+    ref, _ = run(model, False, script)
+    assert_same(got, ref)
+    assert got[3].finish_reason == "stop" and len(got[3].output_ids) == ref0[0].output_ids.index(stop_tok) + 1
+    assert len({t for r in got for t in r.output_ids}) > 5  # not a degenerate one-token model
+    for g, r in zip(got[4].top_logprobs, ref[4].top_logprobs):
+        assert [i for i, _ in g] == [i for i, _ in r]
+        assert torch.allclose(torch.tensor([v for _, v in g]), torch.tensor([v for _, v in r]), atol=1e-5)
+
+
+def test_buffer_is_kept_across_windows_and_grows():
+    model = tiny(1)
+    core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3))
+    gathers, caps = [], []
+    gather, reset = core._cpu._gather, core._cpu.reset
+    core._cpu._gather = lambda *a: (gathers.append(a[2]), gather(*a))[1]  # spies: the gathers from pages,
+    core._cpu.reset = lambda: (caps.append(core._cpu.bias.shape[1]), reset())[1]  # the capacity when freed
+    params = SamplingParams(max_new_tokens=60, temperature=0.8, seed=4)
+    group = core.add_request(P[1], params, n=2)
+    while core.has_unfinished():
+        core.step()
+    # ~21 windows, 3 batches: the first sample alone (the second waits for its prompt pages), both,
+    # the second alone (it started a window later, so it ends a window later): 3 gathers, not 21
+    assert gathers == [5, 8, 62]
+    assert caps[0] >= 5 + 60 and core._cpu.kt is None  # grew past its first 8 + 3 + 12 columns; freed at the end
+    ref, _ = run(model, False, [(P[1], SamplingParams(max_new_tokens=60, temperature=0.8, seed=4 + i)) for i in range(2)])
+    assert_same(group, ref)
+
+
+def test_decoded_kv_written_back_to_pages():
+    """A prompt that extends a finished request's prompt + output reuses the pages its decode windows
+    wrote (prefix cache); its tokens must equal a run that computes everything afresh."""
+    model = tiny(2)
+    core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3))
+    (a,) = core.add_request(P[0], SamplingParams(max_new_tokens=14, temperature=0))
+    while core.has_unfinished():
+        core.step()
+    longer = P[0] + a.output_ids[:12]
+    (b,) = core.add_request(longer, SamplingParams(max_new_tokens=8, temperature=0))
+    while core.has_unfinished():
+        core.step()
+    assert b.num_cached == 20  # 5 full pages, 2 of them written by decode windows
+    fresh = EngineCore(model, EngineConfig(block_size=4, decode_steps=3, prefix_caching=False))
+    (c,) = fresh.add_request(longer, SamplingParams(max_new_tokens=8, temperature=0))
+    while fresh.has_unfinished():
+        fresh.step()
+    assert b.output_ids == c.output_ids
+    assert torch.allclose(torch.tensor(b.logprobs), torch.tensor(c.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_window_matches_generic_path_qk_norm_and_moe(family, tmp_path):
+    make_hf_model(family, tmp_path)
+    model = load_miles(tmp_path)
+    script = [(P[0], SamplingParams(max_new_tokens=10, temperature=0)), (P[1], SamplingParams(max_new_tokens=12, temperature=1.0, seed=9)),
+              (P[2], SamplingParams(max_new_tokens=7, temperature=0))]
+    got, _ = run(model, True, script)
+    ref, _ = run(model, False, script)
+    assert_same(got, ref)
+    if family == "qwen3_moe":
+        for g, r in zip(got, ref):
+            assert torch.equal(torch.cat(g.routed_experts), torch.cat(r.routed_experts))
+
+
+def test_stand_in_ops_are_bit_identical_to_the_reference_ops():
+    """The window swaps the reference rmsnorm (fp32) and rope for fewer-call forms; they must give the same bits."""
+    from miles_core.kernels.rmsnorm import rmsnorm_torch
+    from miles_core.kernels.rope import rope_torch
+    from miles_core.rollout.engine_core.cpu_decode import _rms_norm_fp32, _rope_rolled
+
+    g = torch.Generator().manual_seed(0)
+    for b, hidden in ((1, 128), (7, 32), (64, 1024)):
+        x = torch.randn(b, hidden, generator=g) * torch.rand(b, 1, generator=g) * 20
+        w = torch.randn(hidden, generator=g)
+        assert torch.equal(_rms_norm_fp32(x, w, 1e-6), rmsnorm_torch(x, w, 1e-6))
+    for b, heads, d in ((1, 6, 32), (9, 3, 8), (16, 24, 128)):
+        x = torch.randn(b, heads, 1, d, generator=g) * 5
+        freqs = torch.rand(b, 1, 1, d // 2, generator=g) * 300
+        emb = torch.cat([freqs, freqs], -1)
+        cos, sin = emb.cos(), emb.sin()
+        signed = sin * torch.cat([-torch.ones(d // 2), torch.ones(d // 2)])
+        assert torch.equal(_rope_rolled(x, cos, signed), rope_torch(x, cos, sin))
+
+
+def test_window_with_a_non_reference_rope_op_and_in_bf16():
+    """A model holding another rope op gets it called as is (no rolled stand-in); bf16 runs the
+    softmax in fp32 like the generic path (bf16 rounding: logprobs within 0.1, same greedy tokens here)."""
+    from miles_core.kernels.rope import rope_torch
+
+    model = tiny(3)
+    calls = []
+    model.use_kernels({"rope": lambda x, c, s: (calls.append(1), rope_torch(x, c, s))[1]})
+    script = [(P[0], SamplingParams(max_new_tokens=9, temperature=0)), (P[1], SamplingParams(max_new_tokens=8, temperature=0.8, seed=1))]
+    got, _ = run(model, True, script)
+    n_window = len(calls)
+    ref, _ = run(model, False, script)
+    assert n_window > 0 and len(calls) > n_window
+    assert_same(got, ref)
+    half = tiny(3).to(torch.bfloat16)
+    greedy = [(p, SamplingParams(max_new_tokens=12, temperature=0)) for p in (P[0], P[1])]
+    got, _ = run(half, True, greedy)
+    ref, _ = run(half, False, greedy)
+    for g, r in zip(got, ref):
+        assert g.output_ids == r.output_ids
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(r.logprobs), atol=0.1, rtol=0)
