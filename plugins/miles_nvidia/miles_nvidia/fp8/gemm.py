@@ -80,10 +80,22 @@ def scaled_mm_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0) and torch.cuda.get_device_capability(device) < (10, 0)
 
 
+def scaled_mm_shape_ok(k: int, n: int) -> bool:
+    """Shapes ``auto`` sends to ``torch._scaled_mm``: K and N multiples of 128 and K/128 a multiple of 4.
+
+    The scale layouts above are unpadded, as torch 2.13 checks them. torch 2.9-2.11 wanted the
+    128x128 scale's K/128 dim padded to a multiple of 4; where it is not one, the H200 run of
+    2026-12-03 (torch 2.11) computed wrong products with the unpadded layout: the quickstart-size
+    recipe, K = 128, started at loss 3.97 against bf16's 3.86 and went to NaN. Where K/128 is a
+    multiple of 4, padded and unpadded are the same tensor, which the GPU tests check on both torch
+    versions. Other shapes take the Triton GEMM."""
+    return k % (4 * BLOCK) == 0 and n % BLOCK == 0
+
+
 def fp8_gemm(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16, backend: str = "auto") -> torch.Tensor:
     """Dispatch: ``backend`` is auto | scaled_mm | triton | emulated."""
     if backend == "auto":
-        if a_q.is_cuda and scaled_mm_supported(a_q.device) and a_q.shape[1] % BLOCK == 0 and b_q.shape[0] % BLOCK == 0:
+        if a_q.is_cuda and scaled_mm_supported(a_q.device) and scaled_mm_shape_ok(a_q.shape[1], b_q.shape[0]):
             try:
                 return fp8_gemm(a_q, a_s, b_q, b_s, b_rows, out_dtype, "scaled_mm")
             except RuntimeError:  # a torch/cuBLAS without blockwise scaling (< 2.9 or CUDA < 12.9)
