@@ -26,6 +26,9 @@ class RolloutConfig:
     # train.precision=bf16, as an SGLang server would serve it), else the trainer's weight dtype; a
     # batch-invariant recipe keeps the trainer's dtype (its kernel mode needs the same ops) | float32 | bfloat16 | float16
     dtype: str = "auto"
+    # built-in engine on GPU: the share of the free memory (after its weights) taken for the KV cache,
+    # once at start-up; 0 = the engine's default (0.5). Lower it when the trainer shares the GPU.
+    kv_memory_fraction: float = 0.0
     sglang: SglangConfig = field(default_factory=SglangConfig)  # rollout.backend=sglang
 
     def validate(self) -> None:
@@ -43,6 +46,8 @@ class RolloutConfig:
             raise ConfigError(f"rollout.decode_steps must be >= 0, got {self.decode_steps}")
         if self.dtype not in ROLLOUT_DTYPES:
             raise ConfigError(f"rollout.dtype must be one of {', '.join(ROLLOUT_DTYPES)}, got '{self.dtype}'")
+        if not 0 <= self.kv_memory_fraction <= 1:
+            raise ConfigError(f"rollout.kv_memory_fraction must be in [0, 1] (0 = the engine's default), got {self.kv_memory_fraction}")
         if self.top_k < 0:
             raise ConfigError(f"rollout.top_k must be >= 0, got {self.top_k}")
         self.sglang.validate()

@@ -16,12 +16,22 @@ def engine_dtype(name: str, precision, device: torch.device) -> torch.dtype | No
     return None
 
 
+def engine_config(r) -> EngineConfig | None:
+    """The engine settings ``rollout.*`` overrides (None: all the engine's defaults)."""
+    if not r.decode_steps and not r.kv_memory_fraction:
+        return None
+    engine = EngineConfig(max_num_seqs=min(r.max_batch_size, 256))
+    if r.decode_steps:
+        engine.decode_steps = r.decode_steps
+    if r.kv_memory_fraction:
+        engine.kv_memory_fraction = r.kv_memory_fraction
+    return engine
+
+
 def _builtin(ctx, model):
     cfg = ctx.config
     precision = ctx.plugins.registries.precision_recipes.get(cfg.train.precision, key="train.precision")
-    engine = None
-    if cfg.rollout.decode_steps:
-        engine = EngineConfig(max_num_seqs=min(cfg.rollout.max_batch_size, 256), decode_steps=cfg.rollout.decode_steps)
+    engine = engine_config(cfg.rollout)
     return BuiltinEngine(
         model, ctx.tokenizer, ctx.device, cfg.rollout.max_batch_size, seed=cfg.run.seed,
         config=engine, dtype=engine_dtype(cfg.rollout.dtype, precision, ctx.device), precision=precision,

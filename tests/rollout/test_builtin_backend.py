@@ -70,3 +70,19 @@ def test_bf16_engine_on_cpu_generates_from_fp32_weights():
     eng.update_weights(state, version=2)
     name = "model.layers.0.mlp.down_proj.weight"
     assert torch.equal(eng.model.state_dict()[name], state[name].to(torch.bfloat16))
+
+
+def test_rollout_settings_reach_the_engine_config():
+    import pytest
+
+    from miles_core.errors import ConfigError
+    from miles_core.rollout.config import RolloutConfig
+    from miles_core.rollout.plugin import engine_config
+
+    assert engine_config(RolloutConfig()) is None  # the engine's own defaults
+    e = engine_config(RolloutConfig(decode_steps=16, kv_memory_fraction=0.1, max_batch_size=64))
+    assert (e.decode_steps, e.kv_memory_fraction, e.max_num_seqs) == (16, 0.1, 64)
+    e = engine_config(RolloutConfig(kv_memory_fraction=0.2))
+    assert (e.decode_steps, e.kv_memory_fraction) == (8, 0.2)
+    with pytest.raises(ConfigError, match="rollout.kv_memory_fraction"):
+        RolloutConfig(kv_memory_fraction=1.5).validate()
