@@ -20,7 +20,7 @@ and reused across the micro-batches of one step and by activation-checkpointing 
 2 bytes per weight element of GPU memory. Caution: torch's *fused* optimizers (``fused=True``) change
 the weights without bumping ``_version`` (torch 2.13), so they need :func:`clear_fp8_cache` after each
 step; the trainer's AdamW is foreach/for-loop (guarded by a test).
-Not cached (quantised every forward, as before): under ``torch.distributed`` (FSDP2 all-gathers new
+Not cached (quantised every forward, as before): under ``torch.distributed`` with several ranks (FSDP2 all-gathers new
 values into the same unsharded storage with the version counter preserved, see
 ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``), under ``torch.compile`` tracing and
 inference mode. Writes through ``.data`` are invisible to the version counter: call
@@ -80,7 +80,10 @@ class Fp8WeightCache:
 def _cacheable(w: torch.Tensor) -> bool:
     if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or w.is_inference():  # compiling first: dynamo folds it
         return False
-    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    # several ranks: FSDP2 may refill the weight's storage (see the module docstring); a one-rank group
+    # (the Megatron trainer starts one in every process) shards nothing
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 class _Fp8LinearFn(torch.autograd.Function):
