@@ -1,4 +1,5 @@
-"""Tiny random HF models of each family, saved to a folder and loaded back by Miles."""
+"""Tiny random models: HF models of each family, saved to a folder and loaded back by Miles, and a
+random Miles decoder (``tiny``) with weights large enough that its greedy choices are not near ties."""
 
 from __future__ import annotations
 
@@ -44,3 +45,15 @@ def load_miles(path: Path):
 
     model, _family = load_hf_folder(path, MilesPlugins().registries.model_families)
     return model.eval()
+
+
+def tiny(seed: int = 0, vocab: int = 80):
+    from miles_core.models.decoder import Decoder, DecoderConfig
+
+    torch.manual_seed(seed)
+    m = Decoder(DecoderConfig(vocab_size=vocab, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64))
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    return m.eval()

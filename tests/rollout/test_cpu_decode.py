@@ -4,22 +4,11 @@ its kept K/V buffer reused across windows and grown; the K/V it writes back to t
 
 import pytest
 import torch
-from helpers import load_miles, make_hf_model
+from helpers import load_miles, make_hf_model, tiny
 
-from miles_core.models.decoder import Decoder, DecoderConfig
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engine_core.config import EngineConfig
 from miles_core.rollout.engine_core.core import EngineCore
-
-
-def tiny(seed=0, vocab=80):
-    torch.manual_seed(seed)
-    m = Decoder(DecoderConfig(vocab_size=vocab, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64))
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3)
-    return m.eval()
 
 
 def run(model, window: bool, script, **cfg):

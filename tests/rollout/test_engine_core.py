@@ -4,20 +4,11 @@ preemption, abort, weights and memory. A tiny random Llama-style decoder, fp32 o
 import pytest
 import torch
 
-from miles_core.models.decoder import Decoder, DecoderConfig
+from helpers import tiny
+
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engine_core.config import EngineConfig
 from miles_core.rollout.engine_core.core import EngineCore
-
-
-def tiny(seed=0, vocab=80):
-    torch.manual_seed(seed)
-    m = Decoder(DecoderConfig(vocab_size=vocab, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64))
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3)
-    return m.eval()
 
 
 def engine(model=None, **kw):

@@ -102,18 +102,23 @@ def test_fp8_recipe_trains_the_tiny_model():
     assert losses[-1] < losses[0] * 0.7, losses
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("b_rows", [128, 1])  # 1: the wgrad GEMM (both operands in 1x128 tiles)
-@pytest.mark.parametrize("m,n,k", [(4096, 4096, 4096), (16384, 12288, 4096), (1000, 1024, 1024)])
-def test_gpu_paths_agree(m, n, k, b_rows):
+def _gemm_paths_agree(m: int, n: int, k: int, b_rows: int, backends: tuple[str, ...]) -> None:
     a = torch.randn(m, k, device="cuda")
     b = torch.randn(n, k, device="cuda") * 0.02
     aq, sa = quantize_act(a)
     bq, sb = quantize_weight(b) if b_rows == 128 else quantize_act(b)
     ref = fp8_gemm_emulated(aq, sa, bq, sb, b_rows, torch.float32)
-    for backend in ("scaled_mm", "triton"):  # named, not "auto": a scaled_mm failure must not fall back silently
+    for backend in backends:
         out = fp8_gemm(aq, sa, bq, sb, b_rows, torch.bfloat16, backend).float()
         assert (out - ref).norm() / ref.norm() < 1e-2, backend
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b_rows", [128, 1])  # 1: the wgrad GEMM (both operands in 1x128 tiles)
+@pytest.mark.parametrize("m,n,k", [(4096, 4096, 4096), (16384, 12288, 4096), (1000, 1024, 1024)])
+def test_gpu_paths_agree(m, n, k, b_rows):
+    # backends named, not "auto": a scaled_mm failure must not fall back silently
+    _gemm_paths_agree(m, n, k, b_rows, ("scaled_mm", "triton"))
 
 
 @pytest.mark.gpu
@@ -121,14 +126,7 @@ def test_gpu_paths_agree(m, n, k, b_rows):
 @pytest.mark.parametrize("m,n,k", [(500, 384, 128), (300, 640, 384), (1000, 256, 640)])  # K/128 = 1, 3, 5
 def test_gpu_auto_gemm_at_small_k(m, n, k, b_rows):
     """K/128 not a multiple of 4 (the quickstart model's K = 128): what ``auto`` picks must be right."""
-    a = torch.randn(m, k, device="cuda")
-    b = torch.randn(n, k, device="cuda") * 0.02
-    aq, sa = quantize_act(a)
-    bq, sb = quantize_weight(b) if b_rows == 128 else quantize_act(b)
-    ref = fp8_gemm_emulated(aq, sa, bq, sb, b_rows, torch.float32)
-    for backend in ("auto", "triton"):
-        out = fp8_gemm(aq, sa, bq, sb, b_rows, torch.bfloat16, backend).float()
-        assert (out - ref).norm() / ref.norm() < 1e-2, backend
+    _gemm_paths_agree(m, n, k, b_rows, ("auto", "triton"))
 
 
 def test_scaled_mm_only_where_padded_and_unpadded_scales_agree():
