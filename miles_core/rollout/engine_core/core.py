@@ -320,9 +320,8 @@ class EngineCore:
             self._table[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(vals, dtype=torch.int32, device=dev)
         slot_t = torch.tensor([r.slot for r in reqs], device=dev)
         last = torch.tensor([[r.output_ids[-1], r.num_tokens - 1, len(r.output_ids)] for r in reqs], dtype=torch.long, device=dev)
-        st = self._sampling_tensors(reqs)
+        st, counters = self._sampling_tensors(reqs), last[:, 2]
         if self.cfg.cpu_decode_window and cpu_decode.supported(run):
-            counters = last[:, 2]
             w = self._cpu.window(reqs, last[:, 0], last[:, 1], self._table[slot_t], k, lambda z, j: sample(z, st, counters + j))
             outputs = self._window_outputs(reqs, w.tokens, w.logprobs, w.tops, w.routes)
             if not self.scheduler.running:  # nothing left to decode: free the kept K/V buffer
@@ -338,7 +337,6 @@ class EngineCore:
             run.positions[b:end] = 0
             run.ctx_lens[b:end] = 0
             run.block_tables[b:end] = 0
-        counters = last[:, 2]
         max_ctx = min(-(-(max(r.num_tokens for r in reqs) + k) // p) * p, run.max_blocks * p)
         out_tok = torch.empty(b, k, dtype=torch.long, device=dev)
         out_lp = torch.empty(b, k, dtype=torch.float32, device=dev)
