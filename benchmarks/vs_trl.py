@@ -130,11 +130,54 @@ def miles_config(args):
     return cfg
 
 
-def run_miles(cfg, c) -> dict:
+class StepProfile:
+    """``--profile K``: torch.profiler (host + device) and cProfile over RL steps K and K+1 of the Miles
+    run, started and stopped from the metrics callback; prints the top ops and Python functions."""
+
+    def __init__(self, first: int, device: str) -> None:
+        self.first, self.last, self.device = first, first + 1, device
+        self.prof = self.py = None
+
+    def after(self, step: int) -> None:
+        import cProfile
+
+        from torch.profiler import ProfilerActivity, profile
+
+        if step == self.first - 1:
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.startswith("cuda") else [])
+            self.prof, self.py = profile(activities=acts), cProfile.Profile()
+            self.prof.__enter__()
+            self.py.enable()
+        elif step == self.last and self.prof is not None:
+            self.py.disable()
+            self.prof.__exit__(None, None, None)
+            self.report()
+
+    def report(self) -> None:
+        import io
+        import pstats
+
+        ka = self.prof.key_averages()
+        sort = "self_cuda_time_total" if self.device.startswith("cuda") else "self_cpu_time_total"
+        print(f"=== profile of steps {self.first}-{self.last} ===")
+        print(ka.table(sort_by=sort, row_limit=30))
+        print(ka.table(sort_by="self_cpu_time_total", row_limit=20))
+        s = io.StringIO()
+        pstats.Stats(self.py, stream=s).sort_stats("cumulative").print_stats(45)
+        print(s.getvalue()[-9000:])
+        s = io.StringIO()
+        pstats.Stats(self.py, stream=s).sort_stats("tottime").print_stats(25)
+        print(s.getvalue()[-5000:], flush=True)
+
+
+def run_miles(cfg, c, profile_step: int = 0) -> dict:
     records: list[dict] = []
+    prof = StepProfile(profile_step, cfg.run.device) if profile_step else None
 
     def on_metrics(record: dict) -> None:
         records.append(record)
+        if prof is not None and record.get("phase") == "rl":
+            prof.after(record["step"])
         keys = ("step", "time_step", "time_rollout", "time_logprobs", "time_train", "time_sync", "response_len",
                 "reward_mean", "eval_accuracy")
         print("miles", {k: round(record[k], 3) for k in keys if k in record}, flush=True)
@@ -279,6 +322,8 @@ def main() -> None:
     ap.add_argument("--only", choices=["miles", "trl"])
     ap.add_argument("--miles-set", action="append", default=[], metavar="KEY=VALUE",
                     help="an extra Miles config override (repeatable), e.g. train.compile=true")
+    ap.add_argument("--profile", type=int, default=0, metavar="K",
+                    help="profile Miles' RL steps K and K+1 (torch.profiler + cProfile tables; the timings of those steps include the profiler)")
     ap.add_argument("--tag", default="", help="suffix of the JSON file written to $OUT (vs_trl<tag>.json)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -295,7 +340,7 @@ def main() -> None:
     initial = copy.deepcopy(c.model)  # the Miles run trains its own copies; keep the start for TRL's evaluator
     rows = []
     if args.only != "trl":
-        rows.append(summarize("Miles", run_miles(cfg, c), prompt_tokens))
+        rows.append(summarize("Miles", run_miles(cfg, c, args.profile), prompt_tokens))
     if args.only != "miles":
         c.model = initial
         rows.append(summarize("TRL GRPOTrainer", run_trl(cfg, c, prompts, eval_prompts, args.trl_accum), prompt_tokens))

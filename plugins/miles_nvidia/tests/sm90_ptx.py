@@ -15,7 +15,7 @@ from triton.compiler import ASTSource
 
 from miles_nvidia.fp8 import quant_triton as qt
 
-TYPES = {"x": "*bf16", "w": "*bf16", "q": "*fp8e4nv", "qt": "*fp8e4nv", "s": "*fp32", "st": "*fp32"}
+TYPES = {"x": "*bf16", "w": "*bf16", "q": "*fp8e4nv", "qt": "*i8", "s": "*fp32", "st": "*fp32"}
 CASES = {  # the launch configurations of quant_triton.py
     "rows": (qt._act_rows_kernel, "x_ptr q_ptr s_ptr M K s_xm s_qm s_sk", dict(BLOCK_M=16, TILE=128, QMAX=448.0, EMULATE_RNE=False), 8),
     "cols": (qt._act_cols_kernel, "x_ptr qt_ptr st_ptr M K s_xm s_qtk s_stm", dict(BLOCK_K=64, TILE=128, QMAX=448.0, EMULATE_RNE=False), 16),
@@ -28,6 +28,8 @@ DEFAULT_PATH = ("rows", "weight")  # what quant_triton runs unless MILES_FP8_FUS
 # an f8 tensor moved between layouts (tl.trans, or a convert_layout through shared memory): the
 # lowering that corrupted the e4m3 tiles on the H200 (issue #7)
 F8_MOVE = re.compile(r"(tt\.trans|ttg\.convert_layout|ttg\.local_alloc)\b[^\n]*: tensor<[0-9x]+xf8E")
+# the same moves of int8 tiles: how the fused kernels transpose e4m3 bytes instead
+I8_MOVE = re.compile(r"(tt\.trans|ttg\.convert_layout|ttg\.local_alloc)\b[^\n]*: tensor<[0-9x]+xi8")
 
 
 def main() -> int:
@@ -50,7 +52,8 @@ def main() -> int:
         regs = [int(x) for x in re.findall(r"Used (\d+) registers", info)]
         report[name] = {"div_rn": "div.rn.f32" in ptx, "div_approx": "div.full" in ptx or "div.approx" in ptx,
                         "cvt_rne_e4m3": "cvt.rn.satfinite.e4m3x2.f32" in ptx, "spill_bytes": sum(spills), "registers": max(regs, default=-1),
-                        "f8_layout_moves": len(F8_MOVE.findall(ttgir)), "default_path": name in DEFAULT_PATH}
+                        "f8_layout_moves": len(F8_MOVE.findall(ttgir)), "i8_layout_moves": len(I8_MOVE.findall(ttgir)),
+                        "default_path": name in DEFAULT_PATH}
     print(json.dumps(report))
     return 0
 

@@ -66,6 +66,13 @@ def _to_e4m3(q, EMULATE_RNE: tl.constexpr):
 
 
 @triton.jit
+def _bytes(q8):
+    """An e4m3 tile as its int8 bytes, for transposing: transposed tiles move between layouts as
+    int8 (the ``qt`` pointers are int8 views of the e4m3 outputs), never as f8 (see the module doc)."""
+    return q8.to(tl.int8, bitcast=True)
+
+
+@triton.jit
 def _scale(amax, QMAX: tl.constexpr):
     """The dequantisation multiplier of tiles whose abs-max is ``amax``."""
     amax = tl.maximum(amax, 1e-12)
@@ -100,7 +107,7 @@ def _act_cols_kernel(x_ptr, qt_ptr, st_ptr, M, K, s_xm, s_qtk, s_stm,
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     x = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = _scale(tl.max(tl.abs(x), 0)[None, :], QMAX)  # one per column: [1, BLOCK_K]
-    qt = tl.trans(_to_e4m3(_quant(x, scale, QMAX), EMULATE_RNE))  # [BLOCK_K, TILE]
+    qt = tl.trans(_bytes(_to_e4m3(_quant(x, scale, QMAX), EMULATE_RNE)))  # [BLOCK_K, TILE]
     tl.store(qt_ptr + rk[:, None] * s_qtk + rm[None, :], qt, mask=rk[:, None] < K)
     tl.store(st_ptr + tl.program_id(0) * s_stm + rk[None, :], scale, mask=rk[None, :] < K)
 
@@ -127,7 +134,7 @@ def _act_both_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, s_xm, s_qm, s_sk
         sr = _scale(tl.max(tl.abs(x), 1)[:, None], QMAX)  # [SUB_M, 1]
         tl.store(q_ptr + rm[:, None] * s_qm + rk[None, :], _to_e4m3(_quant(x, sr, QMAX), EMULATE_RNE), mask=mask)
         tl.store(s_ptr + tl.program_id(1) * s_sk + rm[:, None], sr, mask=rm[:, None] < M)
-        qt = tl.trans(_to_e4m3(_quant(x, sc, QMAX), EMULATE_RNE))  # [TILE, SUB_M]
+        qt = tl.trans(_bytes(_to_e4m3(_quant(x, sc, QMAX), EMULATE_RNE)))  # [TILE, SUB_M]
         tl.store(qt_ptr + rk[:, None] * s_qtk + rm[None, :], qt, mask=rk[:, None] < K)
 
 
@@ -142,7 +149,7 @@ def _weight_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, s_wn, s_qn, s_qtk, s_sn,
     q8 = _to_e4m3(_quant(x, scale, QMAX), EMULATE_RNE)
     tl.store(q_ptr + rn[:, None] * s_qn + rk[None, :], q8, mask=mask)
     if TRANSPOSED:
-        tl.store(qt_ptr + rk[:, None] * s_qtk + rn[None, :], tl.trans(q8), mask=(rk[:, None] < K) & (rn[None, :] < N))
+        tl.store(qt_ptr + rk[:, None] * s_qtk + rn[None, :], tl.trans(_bytes(q8)), mask=(rk[:, None] < K) & (rn[None, :] < N))
     tl.store(s_ptr + tl.program_id(0) * s_sn + tl.program_id(1) + tl.zeros((1, 1), tl.int32), scale)
 
 
@@ -200,14 +207,14 @@ def quantize_act_t_triton(x: torch.Tensor, both: bool = False, fused: bool | Non
         if mp and k:
             bk = 64  # [128, 64] over 16 warps: 16 elements a thread, ~60 registers on sm90
             _act_cols_kernel[(mp // BLOCK, triton.cdiv(k, bk))](
-                x, qt, stt, m, k, x.stride(0), qt.stride(0), stt.stride(0),
+                x, qt.view(torch.int8), stt, m, k, x.stride(0), qt.stride(0), stt.stride(0),
                 BLOCK_K=bk, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(16))
         return qt, stt.t()
     q = torch.empty(m, k, dtype=E4M3, device=x.device)
     sr = torch.empty(triton.cdiv(k, BLOCK), m, dtype=torch.float32, device=x.device)
     if mp and k:
         _act_both_kernel[(mp // BLOCK, triton.cdiv(k, BLOCK))](
-            x, q, sr, qt, stt, m, k, x.stride(0), q.stride(0), sr.stride(0), qt.stride(0), stt.stride(0),
+            x, q, sr, qt.view(torch.int8), stt, m, k, x.stride(0), q.stride(0), sr.stride(0), qt.stride(0), stt.stride(0),
             SUB_M=32, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(16))  # ~99 registers on sm90
     return qt, stt.t(), q, sr.t()
 
@@ -223,7 +230,7 @@ def quantize_weight_triton(w: torch.Tensor, transposed: bool = False, fused: boo
     s = torch.empty(triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK), dtype=torch.float32, device=w.device)
     if n and k:
         _weight_kernel[(s.shape[0], s.shape[1])](
-            w, q, qt, s, n, k, w.stride(0), q.stride(0), qt.stride(0), s.stride(0),
+            w, q, qt.view(torch.int8), s, n, k, w.stride(0), q.stride(0), qt.stride(0), s.stride(0),
             TILE=BLOCK, QMAX=E4M3_MAX, TRANSPOSED=in_kernel, EMULATE_RNE=interpreting(), **_warps(8))
     if transposed and not in_kernel:
         qt = q.t().contiguous()  # torch's transposing copy of the bytes: exactly q.T
