@@ -19,7 +19,7 @@ class TrainConfig:
     max_tokens_per_micro_batch: int = 8192  # token budget of one packed micro-batch (no padding)
     activation_checkpointing: bool = False  # recompute each decoder block in backward
     compile: bool = False  # torch.compile each decoder block (dynamic shapes); it then keeps the core's torch norm/rope/swiglu for inductor to fuse
-    attention: str = "auto"  # packed attention: auto | sdpa (per sample) | padded (one batched call) | varlen (flash, CUDA)
+    attention: str = "auto"  # packed attention: auto | sdpa (per sample) | padded (one batched call) | varlen (flash, CUDA) | cudnn (padded, cuDNN, CUDA)
     logprob_chunk_size: int = 1024  # rows of [tokens, vocab] logits made at once by the "logprobs" op
     lr_warmup_steps: int = 0  # linear warm-up over this many optimizer steps
     lr_decay: str = "constant"  # constant | cosine (after warm-up)
@@ -44,8 +44,8 @@ class TrainConfig:
             raise ConfigError(f"train.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.max_tokens_per_micro_batch < 1:
             raise ConfigError(f"train.max_tokens_per_micro_batch must be >= 1, got {self.max_tokens_per_micro_batch}")
-        if self.attention not in ("auto", "sdpa", "padded", "varlen"):
-            raise ConfigError(f"train.attention must be auto, sdpa, padded or varlen, got '{self.attention}'")
+        if self.attention not in ("auto", "sdpa", "padded", "varlen", "cudnn"):
+            raise ConfigError(f"train.attention must be auto, sdpa, padded, varlen or cudnn, got '{self.attention}'")
         if self.lr_decay not in ("constant", "cosine"):
             raise ConfigError(f"train.lr_decay must be constant or cosine, got '{self.lr_decay}'")
         if self.lr_warmup_steps < 0 or self.lr_decay_steps < 0:

@@ -37,6 +37,29 @@ def test_bf16_close_to_fp32_reference(device):
     torch.testing.assert_close(ent, rent, atol=2e-3, rtol=1e-3)
 
 
+def test_fp32_master_weight_with_bf16_hidden_runs_the_kernel(device, monkeypatch):
+    """The bf16 recipe hands the op bf16 hidden states and the fp32 master LM head: the kernel must
+    serve it (cast the weight, as autocast does), not fall back to the torch reference, and the fp32
+    weight must receive an fp32 gradient close to the reference's."""
+    import miles_nvidia.kernels.logprobs as mod
+
+    hidden, weight, targets = _case(20, 32, 70, torch.bfloat16, device, seed=3)
+    w32 = weight.detach().float().requires_grad_()
+    fell_back = []
+    monkeypatch.setattr(mod, "logprobs_torch", lambda *a, **k: fell_back.append(1) or logprobs_torch(*a, **k))
+    lp, ent = logprobs_triton(hidden, w32, targets)
+    assert not fell_back
+    with torch.no_grad():  # fp32 accumulation over the bf16 inputs, as the kernel does
+        xlp, xent = logprobs_torch(hidden.float(), w32.to(torch.bfloat16).float(), targets)
+    torch.testing.assert_close(lp, xlp, atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(ent, xent, atol=2e-3, rtol=1e-3)
+    rlp, rent = logprobs_torch(hidden, w32, targets)  # the reference casts the weight the same way
+    (gw,) = torch.autograd.grad(lp.sum() + ent.sum(), (w32,))
+    (rw,) = torch.autograd.grad(rlp.sum() + rent.sum(), (w32,))
+    assert gw.dtype == torch.float32
+    assert float(torch.nn.functional.cosine_similarity(gw.flatten(), rw.flatten(), dim=0)) > 0.999
+
+
 def test_hand_worked_uniform_logits(device):
     # zero hidden -> all logits 0 -> logprob = -log V, entropy = log V
     v = 50

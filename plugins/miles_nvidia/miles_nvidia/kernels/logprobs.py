@@ -157,7 +157,12 @@ def logprobs_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Op "logprobs" (see the module docstring); falls back to the torch reference off-GPU.
 
-    ``chunk_size`` is accepted for signature compatibility and ignored (nothing is chunked)."""
+    An fp32 ``weight`` with half-precision ``hidden`` (the bf16 recipe's fp32 master LM head) is cast
+    to ``hidden``'s dtype first, as autocast does for a linear layer and as the torch reference does;
+    the cast is differentiable, so the fp32 weight receives the gradient. ``chunk_size`` is accepted
+    for signature compatibility and ignored (nothing is chunked)."""
+    if hidden.dtype in (torch.bfloat16, torch.float16) and weight.dtype == torch.float32:
+        weight = weight.to(hidden.dtype)
     if not triton_ok(hidden, weight) or hidden.dtype != weight.dtype:
         return logprobs_torch(hidden, weight, targets, temperature=temperature, chunk_size=chunk_size)
     return _FusedLogprobs.apply(hidden.contiguous(), weight, targets.contiguous(), temperature)
