@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_session.sh gputests   # every GPU-marked test of the core and miles_nvidia
 #   bash benchmarks/gpu_session.sh fp8        # FP8 quantiser/linear tests on the GPU, FP8 linear fwd/fwd+bwd vs bf16, 200-step loss
 #   bash benchmarks/gpu_session.sh trainprof  # torch.profiler of one compiled 16k-token train step (Qwen3-0.6B shape)
+#   bash benchmarks/gpu_session.sh fp8fused   # the fused transposing FP8 quantisers (MILES_FP8_FUSED_TRANSPOSE=1): byte check, tests, bench
+#   bash benchmarks/gpu_session.sh mfu        # torch trainer MFU, compiled, 16k-token micro-batches: varlen vs cudnn attention; profile with cudnn
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
 # Logs and JSON go to $OUT (the device tool brings them back).
 set -u -o pipefail
@@ -35,7 +37,9 @@ for part in "$@"; do
       python3 benchmarks/train_bench.py --preset qwen3-0.6b --device cuda --steps 5 --warmup 2 --no-memory-table --backend megatron 2>&1 | tee "$OUT/train_bench_megatron.log" | tail -12 ;;
     gputests)
       python3 -m pytest -q -rf --tb=short -m gpu tests/rollout tests/test_trainer_gpu.py tests/algorithms/test_gpu.py plugins/miles_nvidia/tests 2>&1 \
-        | tee "$OUT/gpu_tests.log" | grep -v "^\s*$" | tail -40 ;;
+        | tee "$OUT/gpu_tests.log" | grep -v "^\s*$" | tail -40
+      # the logprob kernel's tests take the device fixture: all of them run on CUDA here
+      python3 -m pytest -q -rf --tb=short plugins/miles_nvidia/tests/test_nv_logprobs_kernel.py 2>&1 | tee "$OUT/logprob_kernel_tests.log" | tail -6 ;;
     rollout)
       python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench.log" | tail -8
       python3 benchmarks/rollout_bench.py --preset gpu --batches 64,256 --temperature 1.0 2>&1 | tee "$OUT/rollout_bench_t1.log" | tail -6
@@ -43,6 +47,16 @@ for part in "$@"; do
     fp8)
       python3 -m pytest -q -rfP plugins/miles_nvidia/tests/test_nv_fp8.py -k "gpu or bitwise or layouts or sm90 or reference" 2>&1 | tee "$OUT/fp8_tests.log" | tail -16
       python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8,loss 2>&1 | tee "$OUT/fp8_bench.log" ;;
+    fp8fused)
+      MILES_FP8_FUSED_TRANSPOSE=1 python3 -m pytest -q -s -rf plugins/miles_nvidia/tests/test_nv_fp8.py -k "gpu" 2>&1 | tee "$OUT/fp8fused_tests.log" | grep -E "differing bytes|passed|failed|FAILED"
+      MILES_FP8_FUSED_TRANSPOSE=1 OUT=$OUT/fused python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8 2>&1 | tee "$OUT/fp8fused_bench.log" | tail -14 ;;
+    mfu)
+      for att in varlen cudnn; do
+        OUT=$OUT/$att python3 benchmarks/train_bench.py --preset qwen3-0.6b --device cuda --steps 4 --warmup 2 --no-memory-table \
+          --micro-batch-tokens 16384 train.compile=true train.attention=$att 2>&1 | tee "$OUT/train_bench_$att.log" | tail -4
+      done
+      python3 benchmarks/profile_gpu.py train train.compile=true train.max_tokens_per_micro_batch=16384 train.attention=cudnn 2>&1 \
+        | tee "$OUT/profile_train_cudnn.log" | grep -E "^train:|Self CUDA time total" ;;
     trainprof)
       python3 benchmarks/profile_gpu.py train train.compile=true train.max_tokens_per_micro_batch=16384 2>&1 \
         | tee "$OUT/profile_train_compile.log" | grep -E "^train:|Self CUDA time total" ;;
