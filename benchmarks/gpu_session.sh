@@ -49,10 +49,10 @@ for part in "$@"; do
       python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8,loss 2>&1 | tee "$OUT/fp8_bench.log" ;;
     fp8fused)
       MILES_FP8_FUSED_TRANSPOSE=1 python3 -m pytest -q -s -rf plugins/miles_nvidia/tests/test_nv_fp8.py -k "gpu" 2>&1 | tee "$OUT/fp8fused_tests.log" | grep -E "differing bytes|passed|failed|FAILED"
-      MILES_FP8_FUSED_TRANSPOSE=1 OUT=$OUT/fused python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8 2>&1 | tee "$OUT/fp8fused_bench.log" | tail -14 ;;
+      MILES_FP8_FUSED_TRANSPOSE=1 OUT=/tmp/fused python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8 2>&1 | tee "$OUT/fp8fused_bench.log" | tail -14 ;;
     mfu)
       for att in varlen cudnn; do
-        OUT=$OUT/$att python3 benchmarks/train_bench.py --preset qwen3-0.6b --device cuda --steps 4 --warmup 2 --no-memory-table \
+        OUT=/tmp/$att python3 benchmarks/train_bench.py --preset qwen3-0.6b --device cuda --steps 4 --warmup 2 --no-memory-table \
           --micro-batch-tokens 16384 train.compile=true train.attention=$att 2>&1 | tee "$OUT/train_bench_$att.log" | tail -4
       done
       python3 benchmarks/profile_gpu.py train train.compile=true train.max_tokens_per_micro_batch=16384 train.attention=cudnn 2>&1 \
