@@ -160,7 +160,10 @@ class MegatronTrainer:
         targets = ids.index_select(0, where + 1)
         weight = self._head()
         if self.tp == 1:
-            lp, ent = self.logprobs_op(h.to(weight.dtype), weight[: self.arch.vocab_size], targets, temperature=temperature)
+            # the head's GEMM in the recipe's compute dtype, as in the torch trainer (the op casts the fp32
+            # master head to it); fp32 hidden states made the LM head an fp32 GEMM under bf16
+            cd = self.precision.compute_dtype or weight.dtype
+            lp, ent = self.logprobs_op(h.to(cd), weight[: self.arch.vocab_size], targets, temperature=temperature)
         else:
             from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 

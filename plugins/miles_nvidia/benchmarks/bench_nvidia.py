@@ -173,12 +173,13 @@ def bench_fp8(quick: bool):
         # quantisers alone, and the wgrad GEMM forced onto scaled_mm (a layout error would show here)
         row["quant_x_ms"] = timeit(lambda: quantize_act(x))
         row["quant_x_gbs"] = 3 * m * k / (row["quant_x_ms"] * 1e-3) / 1e9  # read 2 B + write 1 B per element
-        row["quant_dy_both_ms"] = timeit(lambda: quantize_act_t(dy, both=True))
-        # the opt-in fused transposing kernels (issue #7): their time, and how many bytes of q(dy.T) differ
+        # dy's two layouts unfused (torch's transposing copy + the row kernel) and fused (the default, issue #7):
+        # their times, and how many bytes of the fused q(dy.T) differ from the unfused one
         from miles_nvidia.fp8.quant_triton import quantize_act_t_triton
+        row["quant_dy_both_ms"] = timeit(lambda: quantize_act_t_triton(dy, both=True, fused=False))
         row["quant_dy_both_fused_ms"] = timeit(lambda: quantize_act_t_triton(dy, both=True, fused=True))
         row["quant_dy_both_fused_bad_bytes"] = int((quantize_act_t_triton(dy, both=True, fused=True)[0].view(torch.uint8)
-                                                    != quantize_act_t(dy, both=True)[0].view(torch.uint8)).sum())
+                                                    != quantize_act_t_triton(dy, both=True, fused=False)[0].view(torch.uint8)).sum())
         row["quant_w_ms"] = timeit(lambda: quantize_weight(w, transposed=True))
         qdyt, sdyt, qdy, sdy = quantize_act_t(dy, both=True)
         qxt, sxt = quantize_act_t(x)
@@ -236,8 +237,9 @@ FP8_LEGEND = """Columns (times are means over CUDA-synchronised loops; bf16 inpu
   fp8 module fwd+bwd ms: Fp8Linear the same, weight cache warm: quant x, GEMM; quant dy (rows and dy.T in one pass),
     dgrad GEMM with the cached q(W).T, quant x.T, wgrad GEMM (bf16 out). Speedups are bf16 time / fp8 time.
   quant x ms / GB/s: quantize_act(x) alone (3 bytes per element moved). quant dy (both): quantize_act_t(dy, both=True)
-    (default: torch copy of pad(dy).T + the row kernel, twice). fused ms / fused bad bytes: the opt-in fused kernel
-    (MILES_FP8_FUSED_TRANSPOSE=1) and how many bytes of its q(dy.T) differ from the default (issue #7; must be 0 to use it).
+    unfused (torch copy of pad(dy).T + the row kernel, twice). fused ms / fused bad bytes: the fused kernel (the
+    default since session 5; MILES_FP8_FUSED_TRANSPOSE=0 turns it off) and how many bytes of its q(dy.T) differ
+    from the unfused path (issue #7; must be 0).
   quant W (+W.T): quantize_weight(W, transposed=True), paid once per optimizer step by the module.
   dgrad / wgrad scaled_mm ms: the backward GEMMs alone forced onto torch._scaled_mm (dgrad dy @ W: 1x128 x 128x128,
     wgrad dy.T @ x: 1x128 x 1x128 scales); 'err' means the module's auto backend falls back to Triton there.

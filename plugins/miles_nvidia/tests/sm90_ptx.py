@@ -24,7 +24,7 @@ CASES = {  # the launch configurations of quant_triton.py
     "weight": (qt._weight_kernel, "w_ptr q_ptr qt_ptr s_ptr N K s_wn s_qn s_qtk s_sn", dict(TILE=128, QMAX=448.0, TRANSPOSED=False, EMULATE_RNE=False), 8),
     "weight_t": (qt._weight_kernel, "w_ptr q_ptr qt_ptr s_ptr N K s_wn s_qn s_qtk s_sn", dict(TILE=128, QMAX=448.0, TRANSPOSED=True, EMULATE_RNE=False), 8),
 }
-DEFAULT_PATH = ("rows", "weight")  # what quant_triton runs unless MILES_FP8_FUSED_TRANSPOSE=1
+DEFAULT_PATH = ("rows", "cols", "both", "weight")  # what quant_triton runs by default (not the fused q(W).T)
 # an f8 tensor moved between layouts (tl.trans, or a convert_layout through shared memory): the
 # lowering that corrupted the e4m3 tiles on the H200 (issue #7)
 F8_MOVE = re.compile(r"(tt\.trans|ttg\.convert_layout|ttg\.local_alloc)\b[^\n]*: tensor<[0-9x]+xf8E")

@@ -171,7 +171,7 @@ def test_act_quantisers_bitwise_equal_torch(m, k, device):
     mp = -(-m // 128) * 128
     xt = torch.nn.functional.pad(x, (0, 0, 0, mp - m)).t()
     rqt, rst = quantize_blockwise(xt, 1)
-    for fused in (False, True):  # default: torch's copy of pad(x).T + the row kernel; opt-in: the fused kernels
+    for fused in (False, True):  # default: the fused kernels; unfused: torch's copy of pad(x).T + the row kernel
         qt, st = quantize_act_t_triton(x, fused=fused)
         assert qt.shape == (k, mp) and st.shape == (k, mp // 128) and st.t().is_contiguous()
         assert torch.equal(_bits(qt), _bits(rqt)) and torch.equal(st, rst)
@@ -252,8 +252,9 @@ def test_gpu_quantisers_bitwise_full_shapes(m, k):
 
 @pytest.mark.gpu
 def test_gpu_fused_transpose_kernels_report():
-    """Opt-in fused transposing kernels (issue #7): not asserted, printed, so that one H200 run says
-    whether this Triton/ptxas still corrupts e4m3 tiles through tl.trans (run with -s to see it)."""
+    """The fused transposing kernels (issue #7), the opt-in weight one included: not asserted, printed,
+    so that one H200 run says which of them this Triton/ptxas compiles wrongly (run with -s). The
+    activation kernels are the default and asserted in test_gpu_quantisers_bitwise_full_shapes."""
     from miles_nvidia.fp8.quant import quantize_blockwise
     from miles_nvidia.fp8.quant_triton import quantize_act_t_triton, quantize_weight_triton
 

@@ -6,9 +6,8 @@ the transposed block scales) and ``dW = dy.T @ x`` (dy.T [N, Mp] and x.T [K, Mp]
 the token dim, Mp = M rounded up to 128 with zero tokens), all accumulated in fp32 and returned in
 the input's / weight's dtype. Master weights stay in bf16 (``param_dtype``), so the optimizer never
 sees FP8. Quantisation passes per training step of one linear: x (forward), x.T, dy and dy.T
-(backward; by default the transposed operands are torch copies quantised by the row kernel, see
-:mod:`miles_nvidia.fp8.quant_triton` for why the fused transposing kernels are opt-in), and the
-weight once per optimizer step (below).
+in one read (backward; fused transposing kernels), and the weight once per optimizer step (below;
+its transposed copy q(W).T is a torch copy, see :mod:`miles_nvidia.fp8.quant_triton` for why).
 
 Weight cache (departure from DeepSeek-V3's "quantise on the fly" and from this module's first
 version): :class:`Fp8Linear` keeps, on the module instance, one quantisation of its weight --

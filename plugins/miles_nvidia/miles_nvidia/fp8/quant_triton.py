@@ -8,25 +8,29 @@ Same arithmetic as the reference: ``amax = max(max|tile|, 1e-12)``, ``s = amax /
   Each program takes a [16, 128] tile (one amax per row), not one row (a program per 1x128
   tile made M*K/128 programs of 128 elements, slower than the GEMM it feeds).
 * :func:`quantize_act_t_triton` -- the wgrad operand: 1x128 tiles of ``x.T`` along the token dim, i.e.
-  ``q(pad(x).T)`` [K, Mp] and ``s`` [K, Mp/128] with ``Mp = ceil(M/128)*128``. Default: torch makes
-  ``pad(x).T`` contiguous (one bf16 copy) and the row kernel quantises it. Fused (opt-in, see below):
+  ``q(pad(x).T)`` [K, Mp] and ``s`` [K, Mp/128] with ``Mp = ceil(M/128)*128``. Default (fused):
   reading ``x`` [M, K] once, each program loads a [128 tokens, 64] tile, takes the amax down each
   column and stores the tile transposed; the zero rows M..Mp are the masked loads. ``both=True`` also
-  returns the 1x128 row tiles of ``x`` (backward's dy); fused, from the same DRAM read: a program
-  takes the column amax of a [128, 128] block, then reloads it piecewise from cache.
+  returns the 1x128 row tiles of ``x`` (backward's dy) from the same DRAM read: a program takes the
+  column amax of a [128, 128] block, then reloads it piecewise from cache. Unfused
+  (``MILES_FP8_FUSED_TRANSPOSE=0`` or ``fused=False``): torch makes ``pad(x).T`` contiguous (one bf16
+  copy) and the row kernel quantises it.
 * :func:`quantize_weight_triton` -- 128x128 blocks, ``s`` [N/128, K/128]; with ``transposed=True`` also
   ``q(W).T`` [K, N] (a block's scale does not change under transposition, so ``q(W.T) = q(W).T`` and
-  its scales are ``s.T``). Default: torch copies ``q.T`` (exact); fused: the kernel stores it too.
+  its scales are ``s.T``). Default: torch copies ``q.T`` (exact); fused (opt-in,
+  ``MILES_FP8_FUSED_WEIGHT_TRANSPOSE=1`` or ``fused=True``): the kernel stores it too.
 
-Fused transposition is opt-in (``MILES_FP8_FUSED_TRANSPOSE=1`` or ``fused=True``), because it is wrong
-on the H200 (issue #7, session 4: torch 2.11, Triton 3.6, sm90): an e4m3 tile that goes through
-``tl.trans`` (a ``ttg.convert_layout`` of an f8 tensor through shared memory) in a kernel that also
-stores an e4m3 tile came back with foreign bytes (q(W).T was not q(W).T; e4m3 NaN bytes, hence the
-NaN loss), while the untransposed stores were right. This matches a reported Triton/ptxas lowering
-bug of f8 transposed stores on Hopper (triton-lang/triton#11111: needs two stores in one kernel;
-int8 through the same conversion is clean). The interpreter runs no such lowering, so CPU tests
-cannot see it; tests/sm90_ptx.py checks instead that the default kernels carry no f8 layout
-conversion in their sm90 TTGIR. The default path costs one extra bf16 copy of x.T per wgrad operand.
+The fused weight transpose is opt-in because it is wrong on the H200 (issue #7; torch 2.11, Triton
+3.6, sm90): its q(W).T has foreign bytes (12.5M of 25M at 6144x4096; e4m3 NaN bytes, hence a NaN
+loss), while its untransposed store is right. Session 4 blamed ``tl.trans`` of an f8 tensor (a
+``ttg.convert_layout`` through shared memory; cf. triton-lang/triton#11111). Since session 5 every
+transposed tile moves as its int8 bytes (:func:`_bytes`, int8 views of the outputs), so no kernel
+moves an f8 tensor between layouts (tests/sm90_ptx.py checks the sm90 TTGIR) -- and the weight
+kernel still writes the same wrong bytes, so that was not the cause; it is not yet known (the
+kernel holds a [128, 128] fp32 tile in 8 warps at 255 registers). The activation kernels, through
+the same int8 moves, are bitwise equal to the reference at full shapes on the H200
+(``test_gpu_quantisers_bitwise_full_shapes``, 2026-12-03), hence fused by default. The
+interpreter runs no such lowering: only a GPU run can show either result.
 
 Scales are returned as dequantisation multipliers in outer-dim-major storage (``s.t()`` contiguous),
 the layout ``torch._scaled_mm`` wants for 1x128 scales, so no copy is made before the GEMM.
@@ -158,8 +162,13 @@ def _warps(n: int) -> dict:
 
 
 def fused_transpose(fused: bool | None = None) -> bool:
-    """Whether the transposed outputs come from the fused Triton kernels (opt-in, see the module doc)."""
-    return fused if fused is not None else os.environ.get("MILES_FP8_FUSED_TRANSPOSE", "") == "1"
+    """Whether the activations' transposed tiles come from the fused kernels (default, see the module doc)."""
+    return fused if fused is not None else os.environ.get("MILES_FP8_FUSED_TRANSPOSE", "1") != "0"
+
+
+def fused_weight_transpose(fused: bool | None = None) -> bool:
+    """Whether q(W).T comes from the weight kernel (opt-in: wrong on the H200, see the module doc)."""
+    return fused if fused is not None else os.environ.get("MILES_FP8_FUSED_WEIGHT_TRANSPOSE", "") == "1"
 
 
 def _padded_t(x: torch.Tensor) -> torch.Tensor:
@@ -224,7 +233,7 @@ def quantize_weight_triton(w: torch.Tensor, transposed: bool = False, fused: boo
     also ``qt = q.T`` [K, N] contiguous (its scales are ``s.T``)."""
     w = _unit_stride(w)
     n, k = w.shape
-    in_kernel = transposed and fused_transpose(fused)
+    in_kernel = transposed and fused_weight_transpose(fused)
     q = torch.empty(n, k, dtype=E4M3, device=w.device)
     qt = torch.empty(k, n, dtype=E4M3, device=w.device) if in_kernel else q
     s = torch.empty(triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK), dtype=torch.float32, device=w.device)
