@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_session.sh trainprof  # torch.profiler of one compiled 16k-token train step (Qwen3-0.6B shape)
 #   bash benchmarks/gpu_session.sh fp8fused   # the fused transposing FP8 quantisers (MILES_FP8_FUSED_TRANSPOSE=1): byte check, tests, bench
 #   bash benchmarks/gpu_session.sh mfu        # torch trainer MFU, compiled, 16k-token micro-batches: varlen vs cudnn attention; profile with cudnn
+#   bash benchmarks/gpu_session.sh megatron   # Megatron trainer: GPU tests, MFU (varlen / cudnn / compiled), profile of one step
+#   bash benchmarks/gpu_session.sh fp8check   # the FP8 quantiser / module-gradient / path tests under the default (fused activation) kernels
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
 # Logs and JSON go to $OUT (the device tool brings them back).
 set -u -o pipefail
@@ -52,11 +54,25 @@ for part in "$@"; do
       MILES_FP8_FUSED_TRANSPOSE=1 OUT=/tmp/fused python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8 2>&1 | tee "$OUT/fp8fused_bench.log" | tail -14 ;;
     mfu)
       for att in varlen cudnn; do
-        OUT=/tmp/$att python3 benchmarks/train_bench.py --preset qwen3-0.6b --device cuda --steps 4 --warmup 2 --no-memory-table \
+        mkdir -p /tmp/$att && OUT=/tmp/$att python3 benchmarks/train_bench.py --preset qwen3-0.6b --device cuda --steps 4 --warmup 2 --no-memory-table \
           --micro-batch-tokens 16384 train.compile=true train.attention=$att 2>&1 | tee "$OUT/train_bench_$att.log" | tail -4
       done
       python3 benchmarks/profile_gpu.py train train.compile=true train.max_tokens_per_micro_batch=16384 train.attention=cudnn 2>&1 \
         | tee "$OUT/profile_train_cudnn.log" | grep -E "^train:|Self CUDA time total" ;;
+    megatron)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/megatron_core-*.whl
+      python3 -m pytest -q -rf --tb=short tests/megatron -m gpu 2>&1 | tee "$OUT/megatron_tests.log" | tail -4
+      for att in varlen cudnn; do
+        mkdir -p /tmp/m$att && OUT=/tmp/m$att python3 benchmarks/train_bench.py --backend megatron --preset qwen3-0.6b --device cuda --steps 4 \
+          --warmup 2 --no-memory-table --micro-batch-tokens 16384 train.attention=$att 2>&1 | tee "$OUT/megatron_bench_$att.log" | tail -2
+      done
+      timeout 200 python3 benchmarks/train_bench.py --backend megatron --preset qwen3-0.6b --device cuda --steps 4 --warmup 2 --no-memory-table \
+        --micro-batch-tokens 16384 train.attention=cudnn train.compile=true 2>&1 | tee "$OUT/megatron_bench_compile.log" | tail -2
+      python3 benchmarks/profile_gpu.py train --backend megatron train.max_tokens_per_micro_batch=16384 train.attention=cudnn 2>&1 \
+        | tee "$OUT/megatron_profile.log" | grep -E "^train:|Self CUDA time total" ;;
+    fp8check)
+      python3 -m pytest -q -rf --tb=short plugins/miles_nvidia/tests/test_nv_fp8.py -k "gpu_quantisers_bitwise or module_grads or gpu_paths" 2>&1 \
+        | tee "$OUT/fp8check_tests.log" | tail -4 ;;
     trainprof)
       python3 benchmarks/profile_gpu.py train train.compile=true train.max_tokens_per_micro_batch=16384 2>&1 \
         | tee "$OUT/profile_train_compile.log" | grep -E "^train:|Self CUDA time total" ;;

@@ -2,6 +2,7 @@
 
     python benchmarks/profile_gpu.py engine --batch 64 --new-tokens 64
     python benchmarks/profile_gpu.py train
+    python benchmarks/profile_gpu.py train --backend megatron
 
 Prints the top ops by device time and by host time, and the top Python functions (cProfile,
 cumulative), for one timed run after a warm-up. Same models as rollout_bench.py / train_bench.py
@@ -93,11 +94,11 @@ def train(args, dev) -> None:
 
     torch.manual_seed(0)
     model = Decoder(DecoderConfig(**PRESETS["qwen3-0.6b"]))
-    cfg = load_config(None, ["train.precision=bf16", "train.max_tokens_per_micro_batch=8192", "train.micro_batch_size=1000000",
+    cfg = load_config(None, [f"train.backend={args.backend}", "train.precision=bf16", "train.max_tokens_per_micro_batch=8192", "train.micro_batch_size=1000000",
                              "train.lr=0.00001", *args.overrides])
     plugins = MilesPlugins()
     ctx = RunContext(cfg, plugins, None, dev, dev.type, Kernels(plugins, dev.type))
-    trainer = plugins.registries.trainers.get("torch")(ctx, model)
+    trainer = plugins.registries.trainers.get(args.backend)(ctx, model)
     loss_fn = functools.partial(plugins.registries.policy_losses.get("ppo_clip"), cfg=cfg.algorithm)
     batch = make_batch(4, 4096, 256, model.config.vocab_size, 0)
     trainer.train_step(batch, loss_fn)
@@ -114,6 +115,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--backend", default="torch", help="train: a registered trainer (torch, megatron)")
     ap.add_argument("--reference-kernels", action="store_true", help="engine: the core's torch ops, not the registry's")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()

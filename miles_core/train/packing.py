@@ -148,9 +148,9 @@ class SegmentAttention:
     than 4 samples, else sdpa.
     """
 
-    def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int, impl: str = "auto") -> None:
+    def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int, impl: str = "auto", bounds: list[int] | None = None) -> None:
         self.cu = cu_seqlens
-        self.bounds = cu_seqlens.tolist()
+        self.bounds = cu_seqlens.tolist() if bounds is None else bounds  # host copy (pass it to skip a GPU read)
         self.max_seqlen = max_seqlen
         self.impl = impl
 

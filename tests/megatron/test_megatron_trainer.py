@@ -184,3 +184,37 @@ def test_unsupported_parallelism_is_a_config_error():
     cfg.train.megatron.pipeline_parallel = 2
     with pytest.raises(ConfigError, match="train.megatron.pipeline_parallel"):
         cfg.validate()
+
+
+@pytest.mark.parametrize("overrides", [{"attention": "padded"}, {"attention": "sdpa", "compile": True}])
+def test_attention_choice_and_compiled_layers_match_eager(megatron_cpu, overrides, monkeypatch):
+    """``train.attention`` and ``train.compile`` reach the Megatron trainer (the pack's attention is
+    the torch trainer's SegmentAttention; each TransformerLayer compiled in place) and change
+    nothing but rounding: logprobs and the gradient equal the default eager trainer's.
+    Here dynamo traces the layers through the ``aot_eager`` backend (inductor's C++ codegen takes
+    over 2 minutes on 2 cores); the H200 benchmark runs them through inductor."""
+    from miles_core.train.megatron.trainer import MegatronTrainer
+
+    monkeypatch.setattr(torch.nn.Module, "compile", functools.partialmethod(torch.nn.Module.compile, backend="aot_eager"))
+    torch.set_num_threads(1)
+    dec = _decoder(True, True)
+    state = {k: v.clone() for k, v in dec.state_dict().items()}
+    b = batch()
+    b.old_logprobs = b.rollout_logprobs.clone()
+    results = []
+    for opts in ({}, overrides):
+        cfg = _config("token_mean")
+        for k, v in opts.items():
+            setattr(cfg.train, k, v)
+        mega = MegatronTrainer(arch_from_decoder(dec.config), state, cfg, torch.device("cpu"), FP32, KERNELS)
+        if opts.get("compile"):
+            assert all(layer._compiled_call_impl is not None for layer in mega.model.decoder.layers)
+        lp = mega.compute_logprobs(b)
+        m = mega.train_step(b, functools.partial(ppo_clip, cfg=cfg.algorithm))
+        results.append((lp, m, _megatron_grads(mega)))
+    (lp0, m0, g0), (lp1, m1, g1) = results
+    assert lp0.abs().max() > 1.0
+    torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=0)
+    assert m1["loss"] == pytest.approx(m0["loss"], abs=1e-6)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], atol=1e-6, rtol=1e-4, msg=lambda m: f"grad {k}: {m}")

@@ -35,6 +35,7 @@ from miles_core.train.megatron.arch import Arch
 from miles_core.train.megatron.build import build_gpt, init_parallel, padded_vocab
 from miles_core.train.megatron.logprobs import vocab_parallel_logprobs
 from miles_core.train.on_policy import on_policy_old
+from miles_core.train.packing import SegmentAttention
 from miles_core.types import LossInputs, TrainBatch
 
 
@@ -74,8 +75,12 @@ class MegatronTrainer:
         self.vocab_padded = padded_vocab(arch, self.tp)
         recompute = bool(getattr(cfg.train, "activation_checkpointing", False))  # the torch trainer's switch, when present
         self.model = build_gpt(arch, self.mcfg, device, bf16=precision.compute_dtype == torch.bfloat16, recompute=recompute)
+        self.te = self._is_te()
         self.load_hf(hf_state)
         self.model.train()
+        if cfg.train.compile:  # each transformer layer in place (state-dict names unchanged), as the torch trainer's blocks
+            for layer in self.model.decoder.layers:
+                layer.compile(dynamic=True)
         t = cfg.train
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay
@@ -125,7 +130,7 @@ class MegatronTrainer:
 
     def _hidden(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Packed forward: (final hidden states [sum len_i, H], packed ids [sum len_i], offsets)."""
-        from megatron.core.packed_seq_params import PackedSeqParams
+        from miles_core.train.megatron.attention import PackedSegments
 
         dev = self.device
         lens = (mb.prompt_lens + mb.response_lens).tolist()
@@ -134,12 +139,19 @@ class MegatronTrainer:
         offsets = [0]
         for n in lens:
             offsets.append(offsets[-1] + n)
-        cu = torch.tensor(offsets, dtype=torch.int32, device=dev)
-        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+        cu_host = torch.tensor(offsets, dtype=torch.int32)
+        cu = cu_host.to(dev)
+        # Megatron's THD RoPE reads the boundaries with .tolist(): a host copy spares a GPU sync per
+        # layer (TransformerEngine's attention needs them on the GPU). Frequencies for max(lens)
+        # positions: each sample's positions start at 0, as in the torch trainer.
+        cu_rope = cu if self.te else cu_host
+        segments = SegmentAttention(cu, max(lens), self.cfg.train.attention, bounds=offsets)
+        psp = PackedSegments(qkv_format="thd", cu_seqlens_q=cu_rope, cu_seqlens_kv=cu_rope, max_seqlen_q=max(lens),
+                             max_seqlen_kv=max(lens), segments=segments)
         total = offsets[-1]
         with self.precision.autocast(dev):
             emb = self.model.embedding(input_ids=ids[None], position_ids=pos[None])  # [total, 1, H]
-            rope = self.model.rotary_pos_emb(total, packed_seq=True)
+            rope = self.model.rotary_pos_emb(max(lens), packed_seq=True)
             hidden = self.model.decoder(hidden_states=emb, attention_mask=None, rotary_pos_emb=rope, packed_seq_params=psp)
         return hidden[:, 0], ids, offsets
 
