@@ -118,7 +118,7 @@ def main() -> None:
     ap.add_argument("--backend", default="torch", help="train: a registered trainer (torch, megatron)")
     ap.add_argument("--reference-kernels", action="store_true", help="engine: the core's torch ops, not the registry's")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     {"engine": engine, "train": train}[args.what](args, dev)
 

@@ -139,19 +139,17 @@ class MegatronTrainer:
         offsets = [0]
         for n in lens:
             offsets.append(offsets[-1] + n)
-        cu_host = torch.tensor(offsets, dtype=torch.int32)
-        cu = cu_host.to(dev)
-        # Megatron's THD RoPE reads the boundaries with .tolist(): a host copy spares a GPU sync per
-        # layer (TransformerEngine's attention needs them on the GPU). Frequencies for max(lens)
-        # positions: each sample's positions start at 0, as in the torch trainer.
-        cu_rope = cu if self.te else cu_host
-        segments = SegmentAttention(cu, max(lens), self.cfg.train.attention, bounds=offsets)
-        psp = PackedSegments(qkv_format="thd", cu_seqlens_q=cu_rope, cu_seqlens_kv=cu_rope, max_seqlen_q=max(lens),
-                             max_seqlen_kv=max(lens), segments=segments)
-        total = offsets[-1]
+        cu = torch.tensor(offsets, dtype=torch.int32).to(dev)
         with self.precision.autocast(dev):
             emb = self.model.embedding(input_ids=ids[None], position_ids=pos[None])  # [total, 1, H]
-            rope = self.model.rotary_pos_emb(max(lens), packed_seq=True)
+            if self.te:  # TransformerEngine's attention takes THD with the boundaries on the GPU
+                psp = PackedSegments(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
+                                     max_seqlen_kv=max(lens), segments=None)
+                rope = self.model.rotary_pos_emb(max(lens), packed_seq=True)
+            else:  # SBHD, batch 1: one RoPE row per token, positions restarting per sample (attention.py)
+                segments = SegmentAttention(cu, max(lens), self.cfg.train.attention, bounds=offsets)
+                psp = PackedSegments(qkv_format="sbhd", segments=segments)
+                rope = self.model.rotary_pos_emb(max(lens)).index_select(0, pos)
             hidden = self.model.decoder(hidden_states=emb, attention_mask=None, rotary_pos_emb=rope, packed_seq_params=psp)
         return hidden[:, 0], ids, offsets
 
