@@ -92,7 +92,7 @@ class MegatronTrainer:
 
     def load_hf(self, hf_state: Mapping[str, torch.Tensor]) -> None:
         state = convert.hf_to_megatron(dict(hf_state), self.arch, self.vocab_padded, self.tp, self.tp_rank, self.ep, self.ep_rank)
-        if self._is_te():
+        if self.te:
             state = convert.to_te_names(state, self.arch)
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state") and k != "output_layer.weight"]
@@ -139,12 +139,12 @@ class MegatronTrainer:
         offsets = [0]
         for n in lens:
             offsets.append(offsets[-1] + n)
-        cu = torch.tensor(offsets, dtype=torch.int32).to(dev)
+        cu = torch.tensor(offsets, dtype=torch.int32, device=dev)
         with self.precision.autocast(dev):
             emb = self.model.embedding(input_ids=ids[None], position_ids=pos[None])  # [total, 1, H]
             if self.te:  # TransformerEngine's attention takes THD with the boundaries on the GPU
                 psp = PackedSegments(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
-                                     max_seqlen_kv=max(lens), segments=None)
+                                     max_seqlen_kv=max(lens))
                 rope = self.model.rotary_pos_emb(max(lens), packed_seq=True)
             else:  # SBHD, batch 1: one RoPE row per token, positions restarting per sample (attention.py)
                 segments = SegmentAttention(cu, max(lens), self.cfg.train.attention, bounds=offsets)
