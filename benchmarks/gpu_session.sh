@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_session.sh fp8fused   # the fused transposing FP8 quantisers (MILES_FP8_FUSED_TRANSPOSE=1): byte check, tests, bench
 #   bash benchmarks/gpu_session.sh mfu        # torch trainer MFU, compiled, 16k-token micro-batches: varlen vs cudnn attention; profile with cudnn
 #   bash benchmarks/gpu_session.sh megatron   # Megatron trainer: GPU tests, MFU (varlen / cudnn / compiled), profile of one step
+#   bash benchmarks/gpu_session.sh megdiag    # Megatron trainer, compiled: dynamo's graph breaks and recompiles, MFU; profile of one eager step
 #   bash benchmarks/gpu_session.sh fp8check   # the FP8 quantiser / module-gradient / path tests under the default (fused activation) kernels
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
 # Logs and JSON go to $OUT (the device tool brings them back).
@@ -22,6 +23,11 @@ d=/tmp/site/miles_nvidia-0.1.0.dist-info; mkdir -p $d
 printf 'Metadata-Version: 2.1\nName: miles-nvidia\nVersion: 0.1.0\n' > $d/METADATA
 printf '[miles]\nmiles_nvidia = miles_nvidia.plugin\n' > $d/entry_points.txt
 export PYTHONPATH=$PWD:$PWD/.pyshim:$PWD/plugins/miles_nvidia:/tmp/site
+# megatron-core 0.19.2 (cp312) carried in .whl/ or .whl/mc/, or staged by an earlier call on this machine
+install_megatron() {
+  mkdir -p /root/stage/mc && cp -n .whl/megatron_core-*.whl .whl/mc/megatron_core-*.whl /root/stage/mc/ 2>/dev/null
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /root/stage/mc/megatron_core-*.whl
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for part in "$@"; do
@@ -60,7 +66,7 @@ for part in "$@"; do
       python3 benchmarks/profile_gpu.py train train.compile=true train.max_tokens_per_micro_batch=16384 train.attention=cudnn 2>&1 \
         | tee "$OUT/profile_train_cudnn.log" | grep -E "^train:|Self CUDA time total" ;;
     megatron)
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/megatron_core-*.whl
+      install_megatron
       python3 -m pytest -q -rf --tb=short tests/megatron -m gpu 2>&1 | tee "$OUT/megatron_tests.log" | tail -4
       for att in varlen cudnn; do
         mkdir -p /tmp/m$att && OUT=/tmp/m$att python3 benchmarks/train_bench.py --backend megatron --preset qwen3-0.6b --device cuda --steps 4 \
@@ -68,6 +74,12 @@ for part in "$@"; do
       done
       timeout 200 python3 benchmarks/train_bench.py --backend megatron --preset qwen3-0.6b --device cuda --steps 4 --warmup 2 --no-memory-table \
         --micro-batch-tokens 16384 train.attention=cudnn train.compile=true 2>&1 | tee "$OUT/megatron_bench_compile.log" | tail -2
+      python3 benchmarks/profile_gpu.py train --backend megatron train.max_tokens_per_micro_batch=16384 train.attention=cudnn 2>&1 \
+        | tee "$OUT/megatron_profile.log" | grep -E "^train:|Self CUDA time total" ;;
+    megdiag)
+      install_megatron
+      TORCH_LOGS=graph_breaks,recompiles timeout 300 python3 benchmarks/train_bench.py --backend megatron --preset qwen3-0.6b --device cuda --steps 3 \
+        --warmup 2 --no-memory-table --micro-batch-tokens 16384 train.attention=cudnn train.compile=true 2>&1 | tee "$OUT/megatron_breaks.log" | tail -2
       python3 benchmarks/profile_gpu.py train --backend megatron train.max_tokens_per_micro_batch=16384 train.attention=cudnn 2>&1 \
         | tee "$OUT/megatron_profile.log" | grep -E "^train:|Self CUDA time total" ;;
     fp8check)
