@@ -153,6 +153,10 @@ class SegmentAttention:
         self.bounds = cu_seqlens.tolist() if bounds is None else bounds  # host copy (pass it to skip a GPU read)
         self.max_seqlen = max_seqlen
         self.impl = impl
+        self.num_segments = len(self.bounds) - 1
+        # the padded layout's token slots, built once per pack rather than in every layer (under
+        # train.compile a layer then takes them as an input: its graph does not depend on the sample count)
+        self.slot = self._slots(cu_seqlens.device) if impl in ("padded", "cudnn") and self.num_segments > 1 else None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q, k, v: [1, heads, S, D] (kv heads already repeated to the query heads)
@@ -160,7 +164,7 @@ class SegmentAttention:
         if impl == "cudnn" and q.is_cuda:
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 return self._dense(q, k, v)
-        if len(self.bounds) == 2:
+        if self.num_segments == 1:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         if q.is_cuda and torch.is_autocast_enabled("cuda") and impl != "sdpa":  # the varlen op is not autocast
             dt = torch.get_autocast_dtype("cuda")
@@ -169,7 +173,7 @@ class SegmentAttention:
             if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_fn():
                 impl = "varlen"
             else:
-                impl = "padded" if len(self.bounds) > 5 else "sdpa"
+                impl = "padded" if self.num_segments > 4 else "sdpa"
         if impl in ("padded", "cudnn"):
             return self._padded(q, k, v)
         if impl == "varlen":
@@ -187,14 +191,18 @@ class SegmentAttention:
         if torch.is_autocast_enabled("cuda"):  # cuDNN's kernel takes half precision only
             dt = torch.get_autocast_dtype("cuda")
             q, k, v = q.to(dt), k.to(dt), v.to(dt)
-        if len(self.bounds) == 2:
+        if self.num_segments == 1:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self._padded(q, k, v)
 
+    def _slots(self, device: torch.device) -> torch.Tensor:
+        """Slot of packed token j in the flattened [n * max_len] padded layout."""
+        width = self.max_seqlen
+        return torch.cat([torch.arange(b - a, device=device) + i * width for i, (a, b) in enumerate(zip(self.bounds, self.bounds[1:]))])
+
     def _padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        n, width = len(self.bounds) - 1, self.max_seqlen
-        # slot of packed token j in the flattened [n * max_len] padded layout
-        slot = torch.cat([torch.arange(b - a, device=q.device) + i * width for i, (a, b) in enumerate(zip(self.bounds, self.bounds[1:]))])
+        n, width = self.num_segments, self.max_seqlen
+        slot = self.slot if self.slot is not None and self.slot.device == q.device else self._slots(q.device)
         heads, dim = q.shape[1], q.shape[3]
 
         def to_padded(x: torch.Tensor) -> torch.Tensor:

@@ -126,11 +126,24 @@ def layer_spec(arch: Arch, te: bool):
     if te:
         return get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm)
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
     from miles_core.train.megatron.attention import SDPACoreAttention
+    from miles_core.train.megatron.layers import GroupedRowParallelLinear
 
     attn = spec.submodules.self_attention
     subs = dataclasses.replace(attn.submodules, core_attention=SDPACoreAttention)
     spec.submodules.self_attention = dataclasses.replace(attn, submodules=subs)
+    return _replace_module(spec, RowParallelLinear, GroupedRowParallelLinear)
+
+
+def _replace_module(spec, old: type, new: type):
+    """``spec`` (a ModuleSpec tree of dataclasses) with every ``old`` class reference replaced by ``new``."""
+    if spec is old:
+        return new
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {f.name: _replace_module(getattr(spec, f.name), old, new) for f in dataclasses.fields(spec) if f.init}
+        return dataclasses.replace(spec, **changes)
     return spec
 
 

@@ -142,6 +142,9 @@ class MegatronTrainer:
         cu = torch.tensor(offsets, dtype=torch.int32, device=dev)
         with self.precision.autocast(dev):
             emb = self.model.embedding(input_ids=ids[None], position_ids=pos[None])  # [total, 1, H]
+            # a transposed [1, total, H] (stride total * H on the batch dim): with the strides of the layers'
+            # own outputs every compiled layer takes the same graph (else dynamo recompiles the first)
+            emb = emb[:, 0].unsqueeze(1)
             if self.te:  # TransformerEngine's attention takes THD with the boundaries on the GPU
                 psp = PackedSegments(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
                                      max_seqlen_kv=max(lens))
