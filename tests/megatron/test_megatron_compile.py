@@ -60,3 +60,28 @@ def test_compiled_layers_have_no_graph_break_or_recompile(megatron_cpu, monkeypa
     mega.train_step(_other_batch(), loss_fn)  # more samples, other lengths: no new graph
     assert dict(counters["graph_break"]) == {}
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_spec_rewrite_enters_partial_builders():
+    """megatron-core 0.19 builds the MLP through ``functools.partial(MLP.as_mlp_submodule,
+    submodules=MLPSubmodules(...))``; the RowParallelLinear inside it must be replaced too (the
+    first rewrite walked dataclasses only, and on the H200 ``linear_fc2`` kept its graph break)."""
+    import dataclasses
+
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from miles_core.train.megatron.build import _replace_module
+    from miles_core.train.megatron.layers import GroupedRowParallelLinear
+
+    subs = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    spec = ModuleSpec(module=MLP, submodules=functools.partial(dict, 1, submodules=subs, other=RowParallelLinear))
+    out = _replace_module(spec, RowParallelLinear, GroupedRowParallelLinear)
+    builder = out.submodules
+    assert isinstance(builder, functools.partial) and builder.func is dict and builder.args == (1,)
+    assert builder.keywords["submodules"].linear_fc2 is GroupedRowParallelLinear
+    assert builder.keywords["submodules"].linear_fc1 is ColumnParallelLinear
+    assert builder.keywords["other"] is GroupedRowParallelLinear
+    assert dataclasses.is_dataclass(builder.keywords["submodules"])
+    assert spec.submodules.keywords["submodules"].linear_fc2 is RowParallelLinear  # the input is left as it was

@@ -12,6 +12,7 @@ logits and softmaxes over them, which equals HF's softmax -> top-k -> renormaliz
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 
@@ -138,9 +139,13 @@ def layer_spec(arch: Arch, te: bool):
 
 
 def _replace_module(spec, old: type, new: type):
-    """``spec`` (a ModuleSpec tree of dataclasses) with every ``old`` class reference replaced by ``new``."""
+    """``spec`` (a ModuleSpec tree of dataclasses; megatron-core 0.19 also nests ``functools.partial``
+    builders such as ``MLP.as_mlp_submodule``) with every ``old`` class reference replaced by ``new``."""
     if spec is old:
         return new
+    if isinstance(spec, functools.partial):
+        return functools.partial(spec.func, *(_replace_module(a, old, new) for a in spec.args),
+                                 **{k: _replace_module(v, old, new) for k, v in spec.keywords.items()})
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         changes = {f.name: _replace_module(getattr(spec, f.name), old, new) for f in dataclasses.fields(spec) if f.init}
         return dataclasses.replace(spec, **changes)
