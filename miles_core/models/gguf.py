@@ -8,6 +8,7 @@ the same family mapping as a safetensors folder.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -33,6 +34,38 @@ def find_smollm2_gguf() -> Path | None:
     return None
 
 
+@contextlib.contextmanager
+def gguf_read_once():
+    """Within the block, each GGUF file is parsed once and each gguf tensor-name map built once.
+
+    transformers parses the whole file (its ~49k-entry vocabulary element by element) for the config,
+    again for the tokenizer and again for the weights, and builds gguf's TensorNameMap once per
+    submodule (~400 times for SmolLM2): about 3/4 of a SmolLM2 load on CPU. It only reads the
+    parsed file and the maps, so sharing them changes nothing but the time."""
+    import gguf
+
+    reader_cls, name_map_fn = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+    maps: dict = {}
+
+    def reader(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = reader_cls(path, mode)
+        return readers[key]
+
+    def name_map(arch, n_blocks):
+        if (arch, n_blocks) not in maps:
+            maps[arch, n_blocks] = name_map_fn(arch, n_blocks)
+        return maps[arch, n_blocks]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map_fn
+
+
 def load_gguf(path: Path, families: Registry) -> tuple[nn.Module, ModelFamily, object]:
     """-> (Miles model in fp32, its family, the HF tokenizer read from the same file)."""
     path = Path(path)
@@ -43,8 +76,9 @@ def load_gguf(path: Path, families: Registry) -> tuple[nn.Module, ModelFamily, o
         import gguf  # noqa: F401  (transformers needs it; fail with a clear message)
     except ImportError:
         raise ConfigError("loading GGUF needs the 'gguf' and 'accelerate' packages: pip install gguf accelerate") from None
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with gguf_read_once():
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     cfg = hf.config.to_dict()
     family = family_for(cfg, families, path)
     model = family.build(family.config_from_hf(cfg))

@@ -13,9 +13,6 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
-
 from miles_core.errors import ConfigError
 from miles_core.train.distributed import barrier
 
@@ -25,7 +22,13 @@ if TYPE_CHECKING:
 TRAINER_META = "trainer.json"
 
 
+# torch.distributed.checkpoint is imported where it is used: it pulls in DTensor (~1 s of every
+# `miles` command's start-up on a CPU machine) and only a save or a load needs it.
+
+
 def _state(trainer: TorchTrainer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
     model_sd, optim_sd = get_state_dict(trainer.policy, trainer.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     if trainer.ref is not None:
@@ -34,6 +37,8 @@ def _state(trainer: TorchTrainer) -> dict:
 
 
 def save_trainer(path: Path, trainer: TorchTrainer) -> None:
+    import torch.distributed.checkpoint as dcp
+
     path.mkdir(parents=True, exist_ok=True)
     dcp.save(_state(trainer), checkpoint_id=str(path))
     if trainer.dist.is_main:
@@ -52,6 +57,9 @@ def load_trainer(path: Path, trainer: TorchTrainer) -> None:
             f"'{path}' was saved {'with' if meta['has_ref'] else 'without'} a reference model; "
             f"resume with the same algorithm.kl_coef (> 0 keeps a reference model)"
         )
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
     state = _state(trainer)
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(trainer.policy, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -38,8 +38,13 @@ def _metrics(tmp_path, *overrides):
     return [r for r in records if r["step"] > 0]
 
 
-def test_ray_two_engines_match_local_mode(tmp_path, ray_cluster):
-    local = _metrics(tmp_path)
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    """The local-mode run that every Ray placement is compared with (deterministic: run once)."""
+    return _metrics(tmp_path_factory.mktemp("local"))
+
+
+def test_ray_two_engines_match_local_mode(tmp_path, ray_cluster, local):
     assert len({r["reward_mean"] for r in local}) > 1 and all(r["loss"] != 0 for r in local)  # a real signal, not zeros
     on_ray = _metrics(tmp_path, "orchestration.placement=ray_disaggregated", "orchestration.num_engines=2")
     for a, b in zip(local, on_ray, strict=True):
@@ -47,8 +52,7 @@ def test_ray_two_engines_match_local_mode(tmp_path, ray_cluster):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])  # exact: same seeds, same kernels, 1 thread
 
 
-def test_ray_colocated_releases_and_reloads_the_engine(tmp_path, ray_cluster):
-    local = _metrics(tmp_path)
+def test_ray_colocated_releases_and_reloads_the_engine(tmp_path, ray_cluster, local):
     colocated = _metrics(tmp_path, "orchestration.placement=ray_colocated")
     assert [r["loss"] for r in colocated] == [r["loss"] for r in local]
     assert [r["weight_version"] for r in colocated] == [1, 2, 3]
@@ -67,10 +71,9 @@ def test_colocated_engines_hold_no_memory_while_the_trainer_works(tmp_path, ray_
         placement.close()
 
 
-def test_two_trainer_ranks_on_ray_match_one_rank(tmp_path, ray_cluster):
+def test_two_trainer_ranks_on_ray_match_one_rank(tmp_path, ray_cluster, local):
     """FSDP2 over two trainer actors (gloo) gives one rank's first step (same global batch), and the
     run goes on with the weights gathered from both ranks."""
-    local = _metrics(tmp_path)
     two = _metrics(tmp_path, "orchestration.placement=ray_disaggregated", "orchestration.trainer_num_ranks=2")
     for key in ("reward_mean", "loss", "grad_norm", "approx_kl", "entropy", "adv_std"):
         assert two[0][key] == pytest.approx(local[0][key], rel=1e-4, abs=1e-6), key  # same samples; sums split across ranks

@@ -16,14 +16,15 @@ def test_smollm2_gguf_greedy_matches_transformers():
     pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM
 
-    from miles_core.models.gguf import load_gguf
+    from miles_core.models.gguf import gguf_read_once, load_gguf
     from miles_core.plugins.manager import MilesPlugins
     from miles_core.rollout.base import SamplingParams
     from miles_core.rollout.engine_core.core import EngineCore
 
-    model, family, tok = load_gguf(path, MilesPlugins().registries.model_families)
+    with gguf_read_once():  # the file is parsed once for both loads (each a separate model)
+        model, family, tok = load_gguf(path, MilesPlugins().registries.model_families)
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     assert family.name == "llama" and model.config.num_layers == 30
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     ids = tok.encode("The capital of France is")
     ref = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
     core = EngineCore(model, eos_token_ids=[tok.eos_token_id])
