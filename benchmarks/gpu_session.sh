@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_session.sh mfu        # torch trainer MFU, compiled, 16k-token micro-batches: varlen vs cudnn attention; profile with cudnn
 #   bash benchmarks/gpu_session.sh megatron   # Megatron trainer: GPU tests, MFU (varlen / cudnn / compiled), profile of one step
 #   bash benchmarks/gpu_session.sh megdiag    # Megatron trainer, compiled: dynamo's graph breaks and recompiles, MFU; profile of one eager step
+#   bash benchmarks/gpu_session.sh fp8both    # FP8 linear fwd+bwd with dy quantised by the one-read kernel (default) and split (MILES_FP8_BOTH=split), with the dy variants table
 #   bash benchmarks/gpu_session.sh fp8check   # the FP8 quantiser / module-gradient / path tests under the default (fused activation) kernels
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
 # Logs and JSON go to $OUT (the device tool brings them back).
@@ -82,6 +83,11 @@ for part in "$@"; do
         --warmup 2 --no-memory-table --micro-batch-tokens 16384 train.attention=cudnn train.compile=true 2>&1 | tee "$OUT/megatron_breaks.log" | tail -2
       python3 benchmarks/profile_gpu.py train --backend megatron train.max_tokens_per_micro_batch=16384 train.attention=cudnn 2>&1 \
         | tee "$OUT/megatron_profile.log" | grep -E "^train:|Self CUDA time total" ;;
+    fp8both)
+      python3 -m pytest -q -rf --tb=short plugins/miles_nvidia/tests/test_nv_fp8.py -k "bitwise" 2>&1 | tee "$OUT/fp8both_tests.log" | tail -3
+      OUT=/tmp/fused1 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8 2>&1 | tee "$OUT/fp8both_default.log" | tail -26
+      MILES_FP8_BOTH=split OUT=/tmp/split python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8 2>&1 \
+        | tee "$OUT/fp8both_split.log" | grep -A12 "forward+backward" ;;
     fp8check)
       python3 -m pytest -q -rf --tb=short plugins/miles_nvidia/tests/test_nv_fp8.py -k "gpu_quantisers_bitwise or module_grads or gpu_paths" 2>&1 \
         | tee "$OUT/fp8check_tests.log" | tail -4 ;;

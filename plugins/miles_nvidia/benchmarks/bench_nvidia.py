@@ -180,6 +180,22 @@ def bench_fp8(quick: bool):
         row["quant_dy_both_fused_ms"] = timeit(lambda: quantize_act_t_triton(dy, both=True, fused=True))
         row["quant_dy_both_fused_bad_bytes"] = int((quantize_act_t_triton(dy, both=True, fused=True)[0].view(torch.uint8)
                                                     != quantize_act_t_triton(dy, both=True, fused=False)[0].view(torch.uint8)).sum())
+        # the variants of dy's two layouts (issue #7: the one-read kernel ran at ~0.6 TB/s on the H200): its
+        # sub-tile rows x warps, and the split path (column kernel + row kernel, two reads); bytes moved per
+        # element: 2 read + 1 + 1 written (split: 4 read + 2 written)
+        variants = {f"one-read sub_m={sm} warps={wp}": dict(sub_m=sm, warps=wp) for sm in (16, 32, 64) for wp in (8, 16)}
+        variants["split (cols + rows kernels)"] = dict(split=True)
+        ref_bytes = quantize_act_t_triton(dy, both=True, fused=False)
+        row["dy_variants"] = {}
+        for vname, kw in variants.items():
+            try:
+                got = quantize_act_t_triton(dy, both=True, fused=True, **kw)
+                bad = sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in ((got[0], ref_bytes[0]), (got[2], ref_bytes[2])))
+                ms = timeit(lambda kw=kw: quantize_act_t_triton(dy, both=True, fused=True, **kw))
+                row["dy_variants"][vname] = {"ms": ms, "tb_s": 4 * m * n / (ms * 1e-3) / 1e12, "bad_bytes": bad}
+            except Exception as exc:  # a config that does not compile (registers) is reported, not fatal
+                row["dy_variants"][vname] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
+        del ref_bytes
         row["quant_w_ms"] = timeit(lambda: quantize_weight(w, transposed=True))
         qdyt, sdyt, qdy, sdy = quantize_act_t(dy, both=True)
         qxt, sxt = quantize_act_t(x)
@@ -226,6 +242,10 @@ def bench_fp8(quick: bool):
             f(r, "quant_dy_both_ms"), f(r, "quant_dy_both_fused_ms"), r["quant_dy_both_fused_bad_bytes"], f(r, "quant_w_ms"), f(r, "fp8_dgrad_scaled_mm_ms"),
             f(r, "fp8_wgrad_scaled_mm_ms"), r.get("fp8_module_weight_quantisations", "err")] for r in out])
     print(FP8_LEGEND)
+    vrows = [[r["shape"], v, f"{d['ms']:.3f}", f"{d['tb_s']:.2f}", d["bad_bytes"]] if "ms" in d else [r["shape"], v, d["error"], "", ""]
+             for r in out for v, d in r.get("dy_variants", {}).items()]
+    table(f"quantising dy [M, N] to both layouts (rows for dgrad, dy.T for wgrad), M={m}: the variants",
+          ["shape", "variant", "ms", "TB/s (4 B/elem)", "bytes != unfused"], vrows)
 
 
 FP8_LEGEND = """Columns (times are means over CUDA-synchronised loops; bf16 inputs, fp32 accumulation everywhere):
@@ -371,6 +391,7 @@ def main():
                 RESULTS[f"{name}_error"] = traceback.format_exc()[-2000:]
             print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)
     if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], "bench_nvidia.json").write_text(json.dumps(RESULTS, indent=2))
 
 

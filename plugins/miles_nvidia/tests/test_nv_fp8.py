@@ -176,9 +176,10 @@ def test_act_quantisers_bitwise_equal_torch(m, k, device):
         assert qt.shape == (k, mp) and st.shape == (k, mp // 128) and st.t().is_contiguous()
         assert torch.equal(_bits(qt), _bits(rqt)) and torch.equal(st, rst)
         assert not bool(qt[:, m:].float().any())  # the token padding is zeros
-        qt2, st2, q2, s2 = quantize_act_t_triton(x, both=True, fused=fused)
-        assert torch.equal(_bits(qt2), _bits(rqt)) and torch.equal(st2, rst) and st2.t().is_contiguous()
-        assert torch.equal(_bits(q2), _bits(rq)) and torch.equal(s2, rs) and s2.t().is_contiguous()
+        for split, sub_m in ((False, 32), (True, 32), (False, 64)) if fused else ((False, 32),):  # one-read kernel, two kernels
+            qt2, st2, q2, s2 = quantize_act_t_triton(x, both=True, fused=fused, split=split, sub_m=sub_m)
+            assert torch.equal(_bits(qt2), _bits(rqt)) and torch.equal(st2, rst) and st2.t().is_contiguous()
+            assert torch.equal(_bits(q2), _bits(rq)) and torch.equal(s2, rs) and s2.t().is_contiguous()
 
 
 def test_weight_quantiser_bitwise_and_transposed(device):

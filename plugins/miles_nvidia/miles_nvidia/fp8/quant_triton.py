@@ -171,6 +171,15 @@ def fused_weight_transpose(fused: bool | None = None) -> bool:
     return fused if fused is not None else os.environ.get("MILES_FP8_FUSED_WEIGHT_TRANSPOSE", "") == "1"
 
 
+def split_both(split: bool | None = None) -> bool:
+    """Whether ``both=True`` runs the column kernel and then the row kernel (two reads of dy, each a
+    plain streaming pass) instead of the one-read two-pass ``_act_both_kernel`` (the default). Both
+    give the same bytes; which is faster on the H200 is measured by ``bench_nvidia.py --only fp8``
+    (issue #7: the fused kernel moved dy at about 0.6 TB/s there, the row kernel alone at 2.2 TB/s).
+    ``MILES_FP8_BOTH=split`` selects the split path."""
+    return split if split is not None else os.environ.get("MILES_FP8_BOTH", "fused") == "split"
+
+
 def _padded_t(x: torch.Tensor) -> torch.Tensor:
     """``pad(x, Mp).T`` contiguous [K, Mp] in one transposing copy (zero columns M..Mp)."""
     m, k = x.shape
@@ -200,13 +209,17 @@ def quantize_act_triton(x: torch.Tensor, block_m: int | None = None) -> tuple[to
     return q, st.t()
 
 
-def quantize_act_t_triton(x: torch.Tensor, both: bool = False, fused: bool | None = None):
+def quantize_act_t_triton(x: torch.Tensor, both: bool = False, fused: bool | None = None, split: bool | None = None,
+                          sub_m: int = 32, warps: int = 16):
     """``x`` [M, K] -> ``qt`` [K, Mp] e4m3, ``st`` [K, Mp/128] fp32 (K-major storage), the 1x128 tiles
     of ``pad(x, Mp).T``; with ``both``, ``(qt, st, q, s)`` adding ``q`` [M, K], ``s`` [M, ceil(K/128)]
-    as :func:`quantize_act_triton` gives them (fused: from the same read of ``x``)."""
+    as :func:`quantize_act_triton` gives them (fused: from the same read of ``x``, unless
+    :func:`split_both`). ``sub_m`` and ``warps`` shape the one-read kernel (the benchmark sweeps them)."""
     if not fused_transpose(fused):
         qt, st = quantize_act_triton(_padded_t(x))  # the row kernel on a contiguous copy of pad(x).T
         return (qt, st, *quantize_act_triton(x)) if both else (qt, st)
+    if both and split_both(split):
+        return (*quantize_act_t_triton(x, fused=True), *quantize_act_triton(x))
     x = _unit_stride(x)
     m, k = x.shape
     mp = triton.cdiv(m, BLOCK) * BLOCK
@@ -224,7 +237,7 @@ def quantize_act_t_triton(x: torch.Tensor, both: bool = False, fused: bool | Non
     if mp and k:
         _act_both_kernel[(mp // BLOCK, triton.cdiv(k, BLOCK))](
             x, q, sr, qt.view(torch.int8), stt, m, k, x.stride(0), q.stride(0), sr.stride(0), qt.stride(0), stt.stride(0),
-            SUB_M=32, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(16))  # ~99 registers on sm90
+            SUB_M=sub_m, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(warps))  # 32, 16: ~99 registers on sm90
     return qt, stt.t(), q, sr.t()
 
 
