@@ -41,7 +41,12 @@ def gguf_read_once():
     transformers parses the whole file (its ~49k-entry vocabulary element by element) for the config,
     again for the tokenizer and again for the weights, and builds gguf's TensorNameMap once per
     submodule (~400 times for SmolLM2): about 3/4 of a SmolLM2 load on CPU. It only reads the
-    parsed file and the maps, so sharing them changes nothing but the time."""
+    parsed file and the maps, so sharing them changes nothing but the time.
+
+    The block rebinds ``gguf.GGUFReader`` and ``gguf.get_tensor_name_map`` for its duration (process-wide;
+    loads are not run from several threads) and restores them on exit, also on an error. If a future
+    transformers binds these names at import instead of looking them up on ``gguf``, the block only
+    loses its speed-up: the load itself is unchanged."""
     import gguf
 
     reader_cls, name_map_fn = gguf.GGUFReader, gguf.get_tensor_name_map
