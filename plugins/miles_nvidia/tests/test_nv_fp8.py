@@ -415,3 +415,27 @@ def test_trainer_optimizer_step_invalidates_the_weight_cache():
         y = lin(torch.ones(2, lin.in_features, dtype=torch.bfloat16))
         assert lin.fp8_cache.quantisations == 2, "the optimizer step did not invalidate the FP8 weight cache"
         assert torch.equal(y, fp8_linear(torch.ones(2, lin.in_features, dtype=torch.bfloat16), lin.weight, lin.fp8_backend))
+
+
+def test_backward_keeps_x_transposed_in_fp8_and_its_wgrad_is_unchanged():
+    """The forward quantises x and x.T in one read and keeps only q(x.T) (1 byte an element) for the
+    weight gradient, not a bf16 copy of x; dW is exactly the GEMM of q(dy.T) and q(x.T) that the
+    backward used to quantise itself; a no-grad forward keeps nothing."""
+    from miles_nvidia.fp8.quant import quantize_act_t
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 50, 256, generator=g, dtype=torch.bfloat16).requires_grad_()  # 150 tokens: ragged tile
+    w = (torch.randn(384, 256, generator=g) * 0.05).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(3, 50, 384, generator=g, dtype=torch.bfloat16)
+    y = fp8_linear(x, w, backend="emulated")
+    saved = y.grad_fn.saved_tensors
+    assert [t.dtype for t in saved] == [torch.float8_e4m3fn, torch.float32] and saved[0].shape == (256, 256)  # [K, Mp]
+    gx, gw = torch.autograd.grad(y, (x, w), dy)
+    qdyt, sdyt = quantize_act_t(dy.reshape(-1, 384))
+    qxt, sxt = quantize_act_t(x.detach().reshape(-1, 256))
+    assert torch.equal(gw, fp8_gemm(qdyt, sdyt, qxt, sxt, 1, torch.bfloat16, "emulated"))
+    with torch.no_grad():
+        y0 = fp8_linear(x, w, backend="emulated")
+    assert y0.grad_fn is None and torch.equal(y0, y.detach())
+    y1 = fp8_linear(x, w.detach(), backend="emulated")  # frozen weight: dx only, nothing kept for a wgrad
+    assert y1.grad_fn.saved_tensors == () and torch.equal(torch.autograd.grad(y1, x, dy)[0], gx)

@@ -5,8 +5,9 @@ both GEMMs in FP8 as well: ``dx = dy @ W`` (dy [M, N] in 1x128 tiles along N, ``
 the transposed block scales) and ``dW = dy.T @ x`` (dy.T [N, Mp] and x.T [K, Mp] in 1x128 tiles along
 the token dim, Mp = M rounded up to 128 with zero tokens), all accumulated in fp32 and returned in
 the input's / weight's dtype. Master weights stay in bf16 (``param_dtype``), so the optimizer never
-sees FP8. Quantisation passes per training step of one linear: x (forward), x.T, dy and dy.T
-in one read (backward; fused transposing kernels), and the weight once per optimizer step (below;
+sees FP8. Quantisation passes per training step of one linear: x and x.T in one read (forward; x.T
+is what backward keeps, in FP8: 1 byte per element instead of a bf16 copy of x), dy and dy.T in
+one read (backward; fused transposing kernels), and the weight once per optimizer step (below;
 its transposed copy q(W).T is a torch copy, see :mod:`miles_nvidia.fp8.quant_triton` for why).
 
 Weight cache (departure from DeepSeek-V3's "quantise on the fly" and from this module's first
@@ -87,19 +88,23 @@ def _cacheable(w: torch.Tensor) -> bool:
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, backend, wq):
+    def forward(ctx, x, weight, backend, wq, keep_xt):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
         wq = wq if wq is not None else Fp8Weight.of(weight, transposed=ctx.needs_input_grad[0])  # q(W).T: dgrad only
-        qx, sx = quantize_act(x2)
+        # keep_xt: a weight gradient will be asked for (grad mode on, weight requires grad; inside forward grad
+        # mode is always off and needs_input_grad is set under no_grad too, so the caller decides)
+        if keep_xt:  # x's wgrad tiles (x.T along tokens) from the same read, kept in FP8 for backward
+            qxt, sxt, qx, sx = quantize_act_t(x2, both=True)
+            ctx.save_for_backward(qxt, sxt)
+        else:
+            qx, sx = quantize_act(x2)
         y = fp8_gemm(qx, sx, wq.q, wq.s, BLOCK, torch.bfloat16, backend)
-        ctx.save_for_backward(x2)
         ctx.wq, ctx.backend, ctx.shape, ctx.xdtype, ctx.wdtype = wq, backend, shape, x.dtype, weight.dtype
         return y.view(*shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        (x2,) = ctx.saved_tensors
         wq, backend = ctx.wq, ctx.backend
         dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16)
         # one read of dy: its 1x128 row tiles (dgrad) and the tiles of dy.T along tokens (wgrad)
@@ -108,15 +113,16 @@ class _Fp8LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = fp8_gemm(qdy, sdy, wq.qt, wq.st, BLOCK, torch.bfloat16, backend).view(ctx.shape).to(ctx.xdtype)
         if ctx.needs_input_grad[1]:  # dW = dy.T @ x, reduced over tokens (zero-padded to whole tiles)
-            qxt, sxt = quantize_act_t(x2)
+            qxt, sxt = ctx.saved_tensors
             out = ctx.wdtype if ctx.wdtype in (torch.bfloat16, torch.float32) else torch.float32
             dw = fp8_gemm(qdyt, sdyt, qxt, sxt, 1, out, backend).to(ctx.wdtype)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto", wq: Fp8Weight | None = None) -> torch.Tensor:
     """``x @ weight.T`` through blockwise FP8; ``wq`` a quantisation of ``weight`` to reuse (else made here)."""
-    return _Fp8LinearFn.apply(x, weight, backend, wq)
+    keep_xt = torch.is_grad_enabled() and weight.requires_grad
+    return _Fp8LinearFn.apply(x, weight, backend, wq, keep_xt)
 
 
 class Fp8Linear(nn.Linear):
