@@ -45,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -221,7 +222,7 @@ def trl_args(cfg, out_dir: str, accum: int):
     )
 
 
-def run_trl(cfg, c, prompts, eval_prompts, accum: int) -> dict:
+def run_trl(cfg, c, prompts, eval_prompts, accum: int, timing: dict) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
@@ -242,7 +243,7 @@ def run_trl(cfg, c, prompts, eval_prompts, accum: int) -> dict:
     def reward(completions, row, **_):
         return [c.task.score(text, labels[i]) for text, i in zip(completions, row)]
 
-    timing = {"step_s": [], "gen_s": [], "gen_tokens": []}
+    timing.update(step_s=[], gen_s=[], gen_tokens=[])  # the caller's dict: it still counts the steps if the run fails
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *_a, **_k):
@@ -340,11 +341,23 @@ def main() -> None:
     initial = copy.deepcopy(c.model)  # the Miles run trains its own copies; keep the start for TRL's evaluator
     rows = []
     if args.only != "trl":
-        rows.append(summarize("Miles", run_miles(cfg, c, args.profile), prompt_tokens))
+        rows.append(attempt("Miles", lambda: run_miles(cfg, c, args.profile), prompt_tokens, {}))
     if args.only != "miles":
         c.model = initial
-        rows.append(summarize("TRL GRPOTrainer", run_trl(cfg, c, prompts, eval_prompts, args.trl_accum), prompt_tokens))
+        timing: dict = {}
+        rows.append(attempt("TRL GRPOTrainer", lambda: run_trl(cfg, c, prompts, eval_prompts, args.trl_accum, timing), prompt_tokens, timing))
     report(cfg, args, rows, len(eval_prompts))
+
+
+def attempt(name: str, run, prompt_tokens: float, timing: dict) -> dict:
+    """A framework's row, or, when its run raises, the error and the steps it finished (``timing``, filled
+    as it goes): a crashed run is a result of the comparison, and must not lose the other framework's row."""
+    try:
+        return summarize(name, run(), prompt_tokens)
+    except Exception as exc:  # noqa: BLE001 - any failure of the framework under test is reported, not raised
+        traceback.print_exc()
+        first = (str(exc).strip().splitlines() or [""])[0][:160]
+        return {"framework": name, "failed": f"{type(exc).__name__}: {first}", "steps_completed": len(timing.get("step_s", []))}
 
 
 def report(cfg, args, rows: list[dict], eval_n: int) -> None:
@@ -360,10 +373,13 @@ def report(cfg, args, rows: list[dict], eval_n: int) -> None:
     for col in ("framework", "s/step", "rollout tok/s", "train tok/s", "peak mem GiB", "acc before", "acc after"):
         table.add_column(col, justify="right")
     for row in rows:
+        if "failed" in row:
+            table.add_row(row["framework"], f"failed after {row['steps_completed']} steps", row["failed"], "", "", "", "")
+            continue
         table.add_row(row["framework"], f"{row['s_per_step']:.2f}", f"{row['rollout_tok_s']:.0f}", f"{row['train_tok_s']:.0f}",
                       f"{row['peak_mem_gib']:.2f}", f"{row['acc_before']:.3f}", f"{row['acc_after']:.3f}")
     Console(width=160).print(table)
-    if len(rows) == 2:
+    if len(rows) == 2 and not any("failed" in r for r in rows):
         print(f"TRL s/step / Miles s/step = {rows[1]['s_per_step'] / rows[0]['s_per_step']:.2f}x")
     if os.environ.get("OUT"):
         out = Path(os.environ["OUT"])
