@@ -341,7 +341,7 @@ def main() -> None:
     initial = copy.deepcopy(c.model)  # the Miles run trains its own copies; keep the start for TRL's evaluator
     rows = []
     if args.only != "trl":
-        rows.append(attempt("Miles", lambda: run_miles(cfg, c, args.profile), prompt_tokens, {}))
+        rows.append(attempt("Miles", lambda: run_miles(cfg, c, args.profile), prompt_tokens))
     if args.only != "miles":
         c.model = initial
         timing: dict = {}
@@ -349,15 +349,16 @@ def main() -> None:
     report(cfg, args, rows, len(eval_prompts))
 
 
-def attempt(name: str, run, prompt_tokens: float, timing: dict) -> dict:
+def attempt(name: str, run, prompt_tokens: float, timing: dict | None = None) -> dict:
     """A framework's row, or, when its run raises, the error and the steps it finished (``timing``, filled
-    as it goes): a crashed run is a result of the comparison, and must not lose the other framework's row."""
+    as it goes; None when the run does not report them): a crashed run is a result of the comparison, and
+    must not lose the other framework's row."""
     try:
         return summarize(name, run(), prompt_tokens)
     except Exception as exc:  # noqa: BLE001 - any failure of the framework under test is reported, not raised
         traceback.print_exc()
         first = (str(exc).strip().splitlines() or [""])[0][:160]
-        return {"framework": name, "failed": f"{type(exc).__name__}: {first}", "steps_completed": len(timing.get("step_s", []))}
+        return {"framework": name, "failed": f"{type(exc).__name__}: {first}", "steps_completed": None if timing is None else len(timing.get("step_s", []))}
 
 
 def report(cfg, args, rows: list[dict], eval_n: int) -> None:
@@ -374,7 +375,8 @@ def report(cfg, args, rows: list[dict], eval_n: int) -> None:
         table.add_column(col, justify="right")
     for row in rows:
         if "failed" in row:
-            table.add_row(row["framework"], f"failed after {row['steps_completed']} steps", row["failed"], "", "", "", "")
+            steps = row["steps_completed"]
+            table.add_row(row["framework"], "failed" if steps is None else f"failed after {steps} steps", row["failed"], "", "", "", "")
             continue
         table.add_row(row["framework"], f"{row['s_per_step']:.2f}", f"{row['rollout_tok_s']:.0f}", f"{row['train_tok_s']:.0f}",
                       f"{row['peak_mem_gib']:.2f}", f"{row['acc_before']:.3f}", f"{row['acc_after']:.3f}")

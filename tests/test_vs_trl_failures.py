@@ -29,7 +29,7 @@ def test_a_crashed_run_becomes_a_row_with_its_steps(tmp_path, monkeypatch, capsy
                        "steps_completed": 2}
     done = {"step_s": [2.0, 1.0, 1.0], "gen_s": [1.0, 0.5, 0.5], "gen_tokens": [100, 50, 50], "peak_bytes": 2**30,
             "acc_before": 0.155, "acc_after": 0.47}
-    ok = vs.attempt("Miles", lambda: done, 100.0, {})
+    ok = vs.attempt("Miles", lambda: done, 100.0)
     assert ok["s_per_step"] == 1.0 and ok["acc_after"] == 0.47 and "failed" not in ok
 
     monkeypatch.setenv("OUT", str(tmp_path))
