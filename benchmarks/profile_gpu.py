@@ -37,6 +37,29 @@ def _tables(prof, py: cProfile.Profile, dt: float, label: str) -> None:
     print(s.getvalue()[-6000:])
 
 
+KINDS = (("gemm", ("nvjet", "gemm", "cutlass", "splitk", "sm90_xmma", "ampere")), ("attention", ("_decode_kernel", "flash", "attention")),
+         ("norm", ("rmsnorm",)), ("rope", ("rope",)), ("swiglu", ("swiglu",)), ("index / KV write", ("index",)),
+         ("copy / cast", ("copy", "elementwise")), ("sampling / softmax", ("softmax", "argmax", "sample", "topk", "sort")))
+
+
+def kernel_summary(prof, per: int, label: str) -> None:
+    """Device time and kernel count per ``label`` (e.g. per decode step), by kind of kernel."""
+    rows: dict[str, list[float]] = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if not t or e.key.startswith("aten::") or e.key.startswith("cuda"):
+            continue
+        kind = next((k for k, pats in KINDS if any(p in e.key.lower() for p in pats)), "other")
+        r = rows.setdefault(kind, [0.0, 0])
+        r[0] += t
+        r[1] += e.count
+    total = sum(r[0] for r in rows.values())
+    print(f"\n{'kernel kind':<20} {'µs per ' + label:>16} {'kernels per ' + label:>20}")
+    for kind, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0]):
+        print(f"{kind:<20} {t / per:>16.1f} {n / per:>20.1f}")
+    print(f"{'total':<20} {total / per:>16.1f} {sum(r[1] for r in rows.values()) / per:>20.1f}")
+
+
 def _timed(fn, dev):
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     py = cProfile.Profile()
@@ -65,7 +88,8 @@ def engine(args, dev) -> None:
     model = Decoder(DecoderConfig(**PRESETS["qwen3-0.6b"])).to(dev, torch.bfloat16)
     if not args.reference_kernels:
         model.use_kernels(Kernels(MilesPlugins(), dev.type))
-    cfg = EngineConfig(max_num_seqs=args.batch, max_model_len=args.prompt_len + args.new_tokens + 16, kv_memory_fraction=0.3)
+    cfg = EngineConfig(max_num_seqs=args.batch, max_model_len=args.prompt_len + args.new_tokens + 16, kv_memory_fraction=0.3,
+                       fused_kernels=not args.no_fused)
     core = EngineCore(model, cfg)
     prompts = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt_len)).tolist()
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, ignore_eos=True)
@@ -79,9 +103,12 @@ def engine(args, dev) -> None:
     run()
     run()
     prof, py, dt = _timed(run, dev)
-    print(f"engine: batch {args.batch}, {args.new_tokens} new tokens, graphs {core.runner.use_graphs}, triton {core.runner.use_triton}: "
+    print(f"engine: batch {args.batch}, {args.new_tokens} new tokens, graphs {core.runner.use_graphs}, triton {core.runner.use_triton}, "
+          f"fused {core.runner.fused_kernels}: "
           f"{args.batch * args.new_tokens / dt:.0f} tok/s, {dt / args.new_tokens * 1e3:.2f} ms per decode step (prefill included)")
     _tables(prof, py, dt, "engine")
+    if dev.type == "cuda":
+        kernel_summary(prof, args.new_tokens, "step")
 
 
 def train(args, dev) -> None:
@@ -116,6 +143,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--backend", default="torch", help="train: a registered trainer (torch, megatron)")
+    ap.add_argument("--no-fused", action="store_true", help="engine: without the fused Triton layer kernels")
     ap.add_argument("--reference-kernels", action="store_true", help="engine: the core's torch ops, not the registry's")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args()

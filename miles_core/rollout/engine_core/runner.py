@@ -4,7 +4,8 @@ CUDA graphs.
 The runner does not own a model implementation: it walks the modules of the shared
 :class:`miles_core.models.decoder.Decoder` (or :class:`~miles_core.models.moe.MoeDecoder`) and
 calls them on a flat [N, hidden] token batch, writing each layer's K/V into its pages. Every
-matmul, norm and rotary call is the decoder's own, so engine and trainer compute the same function.
+matmul, norm and rotary call is the decoder's own (up to the fusions below), so engine and trainer
+compute the same function.
 
 KV cache layout: one tensor [layers, 2, S, Hk, D] (S = num_blocks * block_size slots).
 
@@ -13,6 +14,12 @@ each. Their weights become row slices (views) of one tensor per layer (:meth:`Mo
 so the parameters keep their names and shapes, and an in-place weight update (``copy_``) lands in
 the fused tensor too. A fused GEMM rounds like the separate ones up to the GEMM library's choice of
 algorithm; ``exact_attention`` keeps the trainer's separate calls.
+
+Fused layer kernels (GPU with Triton, ``fused_kernels``): the q/k norm, rotary and K/V write run as
+one kernel after the q/k/v GEMM, and each residual add runs with the norm after it
+(:mod:`.triton_fused`): the same math as the decoder's Triton ops in a third of the launches. So
+the fast GPU path computes the decoder's function with its own kernels; ``exact_attention`` (the
+batch-invariant recipe) keeps the decoder's modules throughout.
 
 Decode state lives in static device buffers (``tokens``, ``positions``, ``ctx_lens``,
 ``block_tables``) that a CUDA graph, captured once per batch-size bucket, reads and the engine
@@ -29,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miles_core.rollout.engine_core import triton_decode
+from miles_core.models.decoder import Attention, RMSNorm
+from miles_core.rollout.engine_core import triton_decode, triton_fused
 
 from miles_core.rollout.engine_core.attention import AttnBatch, decode_attention_torch, gather_slots, paged_attention
 from miles_core.rollout.engine_core.config import EngineConfig
@@ -71,6 +79,8 @@ class ModelRunner:
         self.qkv: list[torch.Tensor] = []  # per layer [(H + 2 Hk) D, hidden], see fuse()
         self.gate_up: list[torch.Tensor | None] = []  # per layer [2 I, hidden] (None: MoE layer)
         self.fuse()
+        # the fused Triton layer kernels (triton_fused.py) on the fast GPU path; see _layers_fused
+        self.fused_kernels = self.use_triton and cfg.fused_kernels and self.fusable()
 
     # ------------------------------------------------------------------ fused projections
     def fuse(self) -> None:
@@ -88,6 +98,16 @@ class ModelRunner:
             self.qkv.append(_fuse_rows(a.q_proj, a.k_proj, a.v_proj))
             dense = hasattr(mlp, "gate_proj") and plain(mlp.gate_proj, mlp.up_proj)
             self.gate_up.append(_fuse_rows(mlp.gate_proj, mlp.up_proj) if dense else None)
+
+    def fusable(self) -> bool:
+        """True if every layer is the decoder's own attention and RMSNorm (whose math the fused
+        kernels reproduce) and the q/k/v projections are fused."""
+        body = self.model.model
+        norms = [body.norm] + [m for layer in body.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+        attn = [layer.self_attn for layer in body.layers]
+        qk = [m for a in attn if a.cfg.qk_norm for m in (a.q_norm, a.k_norm)]
+        return (bool(self.qkv) and triton_fused.supports(self.head_dim) and all(type(a) is Attention for a in attn)
+                and all(type(m) is RMSNorm for m in norms + qk))
 
     def unfuse(self) -> None:
         """Drop the fused tensors (the parameters stay views of them until moved), e.g. before the
@@ -136,6 +156,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x`` [N, hidden]; ``attend(q, k_cache, v_cache) -> [N, H, D]``. Returns (hidden, routing [N, L, k])."""
+        if self.fused_kernels and self.qkv:
+            return self._layers_fused(x, positions, slots, attend)
         model = self.model
         n = x.shape[0]
         d = self.head_dim
@@ -179,6 +201,42 @@ class ModelRunner:
                     x = x + mlp(h)
         return model.model.norm(x), (torch.stack(routed, 1) if routed else None)
 
+    def _layers_fused(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`_layers` in fewer kernels (triton_fused.py): per layer the q/k/v GEMM, one prologue
+        (q/k norm, rotary, K/V write), attention, o_proj, residual add + norm, the MLP, residual add +
+        the next layer's norm."""
+        model = self.model
+        layers = model.model.layers
+        n, d = x.shape[0], self.head_dim
+        cos, sin = (c.view(n, d) for c in model._rope(positions, x.dtype))
+        h = layers[0].input_layernorm(x)
+        routed = []
+        for i, layer in enumerate(layers):
+            a = layer.self_attn
+            norm = a.cfg.qk_norm
+            q = triton_fused.qkv_prologue(F.linear(h, self.qkv[i]), a.cfg.num_heads, self.kv_heads, d, a.q_norm.weight if norm else None,
+                                          a.k_norm.weight if norm else None, a.q_norm.eps if norm else 0.0, cos, sin, slots,
+                                          self.kv[i, 0], self.kv[i, 1])
+            post = layer.post_attention_layernorm
+            x, h = triton_fused.add_rmsnorm(x, a.o_proj(attend(q, self.kv[i, 0], self.kv[i, 1]).reshape(n, -1)), post.weight, post.eps)
+            mlp = layer.mlp
+            if hasattr(mlp, "route"):
+                ids, w = mlp.route(h)
+                routed.append(ids)
+                out = mlp.combine(h, ids, w)
+            else:
+                if self.is_moe:
+                    routed.append(torch.full((n, self.moe_k), -1, dtype=torch.long, device=x.device))
+                gu = self.gate_up[i] if self.gate_up else None
+                if gu is not None:
+                    gate, up = F.linear(h, gu).chunk(2, -1)
+                    out = mlp.down_proj(mlp.act(gate, up))
+                else:
+                    out = mlp(h)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
+            x, h = triton_fused.add_rmsnorm(x, out, nxt.weight, nxt.eps)
+        return h, (torch.stack(routed, 1) if routed else None)
+
     @torch.no_grad()
     def prefill(self, input_ids, positions, slots, meta: AttnBatch, logits_index):
         """Flat prefill of chunks of several sequences. Returns (logits [M, V] at ``logits_index``, routing)."""
@@ -214,7 +272,7 @@ class ModelRunner:
 
     def begin_window(self, bs: int, steps: int) -> None:
         """Eager decode only: gather every row's cached K/V once for a window of ``steps`` steps."""
-        if self.use_graphs or self.use_triton or self.cfg.exact_attention:
+        if self.use_graphs or self.use_triton or self.fused_kernels or self.cfg.exact_attention:
             return
         pos0 = self.positions[:bs].clone()  # cache positions < pos0 exist before the window
         t0 = max(self.block_size, -(-int(pos0.max()) // self.block_size) * self.block_size)

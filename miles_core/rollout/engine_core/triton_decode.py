@@ -8,8 +8,9 @@ Grid ``(B, Hk, SPLITS)``: a program takes the ``R`` query heads of one KV head (
 is read once for the whole group) and one contiguous split of the context; it streams
 ``BLOCK_N`` tokens at a time, looking up each token's page in the block table, with an online
 softmax (Milakov & Gimelshein 2018; Dao et al., FlashAttention, 2022). Splits write a partial
-output and its log-sum-exp; :func:`paged_decode` merges them in torch (flash-decoding, Dao et al.
-2023). Context lengths are read from device memory, so the launch has static shapes and can be
+output and its log-sum-exp; :func:`paged_decode` merges them in one more kernel
+(:func:`.triton_fused.merge_splits`; flash-decoding, Dao et al. 2023). With one split the kernel
+writes the output in q's dtype. Context lengths are read from device memory, so the launch has static shapes and can be
 captured in a CUDA graph. Departures: none in the math; the query group is padded to 16 rows
 so that ``tl.dot`` can be used; with an fp32 cache the dots run in full fp32 (``input_precision="ieee"``), not tf32.
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from miles_core.rollout.engine_core import triton_fused
 
 try:  # triton is optional (the torch path is the reference)
     import triton
@@ -83,7 +86,7 @@ if triton is not None:
         has = l > 0
         out = acc / tl.where(has, l, 1.0)[:, None]
         lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
-        tl.store(O + b * s_ob + heads[:, None] * s_oh + s * s_os + offs_d[None, :], out, mask=hmask[:, None])
+        tl.store(O + b * s_ob + heads[:, None] * s_oh + s * s_os + offs_d[None, :], out.to(O.dtype.element_ty), mask=hmask[:, None])
         tl.store(LSE + b * s_lb + heads * s_lh + s, lse, mask=hmask)
 
 
@@ -92,24 +95,22 @@ def num_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
     return max(1, min(32, math.ceil(2 * num_sms / max(1, batch * kv_heads))))
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int, splits: int, block_n: int = 64):
+def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int, splits: int, block_n: int = 64,
+                 num_warps: int = 4, num_stages: int = 3):
     """``q`` [B, H, D] -> [B, H, D] in q's dtype. See the module docstring."""
     b, h, d = q.shape
     hk = k_cache.shape[1]
     rep = h // hk
-    partial = torch.empty(b, h, splits, d, device=q.device, dtype=torch.float32)
+    # one split: the kernel writes the output in q's dtype directly; several: fp32 partials, merged
+    partial = torch.empty(b, h, splits, d, device=q.device, dtype=q.dtype if splits == 1 else torch.float32)
     lse = torch.empty(b, h, splits, device=q.device, dtype=torch.float32)
     _decode_kernel[(b, hk, splits)](
         q, k_cache, v_cache, block_tables, ctx_lens, partial, lse, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         PAGE=block_size, D=d, REP=rep, REP_P=max(16, triton.next_power_of_2(rep)), BLOCK_N=block_n, SPLITS=splits,
-        IEEE=k_cache.dtype == torch.float32,
+        IEEE=k_cache.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
     if splits == 1:
-        return partial[:, :, 0].to(q.dtype)
-    top = lse.amax(-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    w = torch.exp(lse - top)  # [B, H, splits]; empty splits weigh 0
-    out = (w[..., None] * partial).sum(2) / w.sum(-1, keepdim=True).clamp_min(1e-30)
-    return out.to(q.dtype)
+        return partial[:, :, 0]
+    return triton_fused.merge_splits(partial, lse, q.dtype)

@@ -1,0 +1,102 @@
+"""The parts of one decode step, timed alone on the GPU: the paged attention kernel's launch
+variants and the step's GEMMs, each replayed from a CUDA graph (28 calls, one per layer, as in a
+step) so that launch overhead is what a captured step pays.
+
+    python benchmarks/decode_parts.py              # Qwen3-0.6B shape, batch 64 and 256, context 256
+
+Prints µs per call and the HBM bandwidth it reaches (bytes it must read / time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from miles_core.rollout.engine_core import triton_decode  # noqa: E402
+
+
+def graph_time(fn, calls: int = 28, reps: int = 20) -> float:
+    """Mean µs per ``fn()`` call, from a CUDA graph of ``calls`` calls replayed ``reps`` times."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / (reps * calls)
+
+
+def attention(batches, ctx: int, heads=16, kv_heads=8, d=128, page=16) -> None:
+    dev = torch.device("cuda")
+    print(f"\npaged decode attention, context {ctx}, {heads} heads / {kv_heads} KV heads, head dim {d}, page {page}")
+    print(f"{'batch':>5} {'splits':>6} {'block_n':>7} {'warps':>5} {'stages':>6} {'µs':>8} {'TB/s':>6}")
+    for b in batches:
+        pages = ctx // page
+        s = b * pages + 1
+        kc = torch.randn(s * page, kv_heads, d, device=dev, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        bt = (1 + torch.randperm(b * pages, device=dev, dtype=torch.int32)).view(b, pages)
+        cl = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+        q = torch.randn(b, heads, d, device=dev, dtype=torch.bfloat16)
+        kv_bytes = 2 * b * ctx * kv_heads * d * 2
+        best = None
+        default = triton_decode.num_splits(b, kv_heads, torch.cuda.get_device_properties(dev).multi_processor_count)
+        for splits, bn, w, st in itertools.product(sorted({1, 2, 4, default}), (32, 64, 128), (4, 8), (2, 3, 4)):
+            try:
+                t = graph_time(lambda: triton_decode.paged_decode(q, kc, vc, bt, cl, page, splits, bn, w, st))
+            except Exception as exc:  # a config that does not compile (shared memory)
+                print(f"{b:>5} {splits:>6} {bn:>7} {w:>5} {st:>6}   failed: {type(exc).__name__}")
+                continue
+            tag = " (current default)" if (splits, bn, w, st) == (default, 64, 4, 3) else ""
+            print(f"{b:>5} {splits:>6} {bn:>7} {w:>5} {st:>6} {t:>8.1f} {kv_bytes / t / 1e6:>6.2f}{tag}")
+            best = min(best or (t, None), (t, (splits, bn, w, st)))
+        print(f"  best at batch {b}: {best[0]:.1f} µs, (splits, block_n, warps, stages) = {best[1]}")
+
+
+def gemms(batches, hidden=1024, heads=16, kv_heads=8, d=128, inter=3072, vocab=151936) -> None:
+    dev = torch.device("cuda")
+    shapes = {"qkv": ((heads + 2 * kv_heads) * d, hidden), "o": (hidden, heads * d), "gate_up": (2 * inter, hidden),
+              "down": (hidden, inter), "lm_head": (vocab, hidden)}
+    print(f"\nGEMMs (F.linear, bf16, cuBLAS as torch picks it)\n{'batch':>5} {'gemm':>8} {'N x K':>14} {'µs':>8} {'TB/s':>6}")
+    for b in batches:
+        total = 0.0
+        for name, (n, k) in shapes.items():
+            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+            x = torch.randn(b, k, device=dev, dtype=torch.bfloat16)
+            t = graph_time(lambda: F.linear(x, w), calls=1 if name == "lm_head" else 28)
+            total += t * (1 if name == "lm_head" else 28)
+            print(f"{b:>5} {name:>8} {f'{n}x{k}':>14} {t:>8.1f} {(n * k + b * k + b * n) * 2 / t / 1e6:>6.2f}")
+        print(f"  batch {b}: {total / 1e3:.3f} ms of GEMM per decode step (28 layers + lm_head)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--ctx", type=int, default=256)
+    a = ap.parse_args()
+    batches = [int(x) for x in a.batches.split(",")]
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    gemms(batches)
+    attention(batches, a.ctx)
+
+
+if __name__ == "__main__":
+    main()

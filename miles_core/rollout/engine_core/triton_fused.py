@@ -1,0 +1,165 @@
+"""Fused decode-step kernels in Triton, for the GPU: fewer, larger launches per layer.
+
+A decode step at batch 64 is a few hundred tiny kernels; on the H200 each costs a few µs whatever
+its size, so the step is bound by their count as much as by bandwidth. Three fusions, each the
+same math as the op chain it replaces (fp32 statistics and rotary, rounded to the model dtype where
+the decoder's Triton ops round):
+
+``qkv_prologue``  after the fused q/k/v GEMM, one program per (token, head)::
+
+    q_h = rope(rmsnorm(q_h, w_q))                        -> q out [N, H, D]
+    k_h = rope(rmsnorm(k_h, w_k)); v_h                   -> K/V cache slot of the token
+
+  replacing q_norm, k_norm, two rotary calls (with their cos/sin copies) and two ``index_copy_``.
+  Without qk-norm (Llama) the norm is skipped. rmsnorm as :mod:`miles_core.kernels.rmsnorm`
+  (statistic in fp32, normalised value rounded to the model dtype, times the weight); rotary as
+  rotate-half (:mod:`miles_core.kernels.rope`) in fp32, rounded once.
+
+``add_rmsnorm``   the residual add and the next norm, one program per row::
+
+    x' = round(x + r);  h = w * round(x' * rsqrt(mean(x'^2) + eps))   -> (x', h)
+
+``merge_splits``  flash-decoding's merge of the attention splits (partial outputs and their
+  log-sum-exps) in one kernel instead of eight torch ops.
+
+Shapes: ``qkv`` [N, (H + 2 Hk) D] with unit last stride; ``cos``/``sin`` [N, D]; caches
+[S, Hk, D]; ``slots`` [N] int64; ``x``/``r`` [N, hidden] contiguous. ``D`` a power of two.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # triton is optional (the torch path is the reference)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _norm_rope(base, W, cos, sin, eps, D: tl.constexpr, NORM: tl.constexpr):
+        """Rows ``base[0:D]`` normalised (optionally) and rotated: the two halves, model dtype."""
+        half = tl.arange(0, D // 2)
+        x1 = tl.load(base + half)
+        x2 = tl.load(base + D // 2 + half)
+        if NORM:
+            xf = tl.load(base + tl.arange(0, D)).to(tl.float32)  # the whole row: the norm kernel's sum
+            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / D + eps)
+            x1 = (tl.load(W + half).to(tl.float32) * (x1.to(tl.float32) * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+            x2 = (tl.load(W + D // 2 + half).to(tl.float32) * (x2.to(tl.float32) * rstd).to(x2.dtype).to(tl.float32)).to(x2.dtype)
+        c1 = tl.load(cos + half).to(tl.float32)
+        c2 = tl.load(cos + D // 2 + half).to(tl.float32)
+        s1 = tl.load(sin + half).to(tl.float32)
+        s2 = tl.load(sin + D // 2 + half).to(tl.float32)
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        return (a * c1 - b * s1).to(x1.dtype), (b * c2 + a * s2).to(x1.dtype)
+
+    @triton.jit
+    def _qkv_prologue_kernel(
+        QKV, QW, KW, COS, SIN, SLOTS, KC, VC, QO, eps,
+        s_qkv, s_cs, s_ct, s_ch, s_qo,
+        H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        h = tl.program_id(1)  # 0..H-1: query heads; H..H+HK-1: key/value heads
+        half = tl.arange(0, D // 2)
+        row = QKV + t.to(tl.int64) * s_qkv
+        cos = COS + t * s_cs
+        sin = SIN + t * s_cs
+        if h < H:
+            o1, o2 = _norm_rope(row + h * D, QW, cos, sin, eps, D, NORM)
+            out = QO + t.to(tl.int64) * s_qo + h * D
+            tl.store(out + half, o1)
+            tl.store(out + D // 2 + half, o2)
+        else:
+            g = h - H
+            o1, o2 = _norm_rope(row + h * D, KW, cos, sin, eps, D, NORM)
+            slot = tl.load(SLOTS + t).to(tl.int64)
+            dst = slot * s_ct + g * s_ch
+            tl.store(KC + dst + half, o1.to(KC.dtype.element_ty))
+            tl.store(KC + dst + D // 2 + half, o2.to(KC.dtype.element_ty))
+            cols = tl.arange(0, D)
+            v = tl.load(row + (H + HK + g) * D + cols)
+            tl.store(VC + dst + cols, v.to(VC.dtype.element_ty))
+
+    @triton.jit
+    def _add_rmsnorm_kernel(X, R, W, XO, HO, n, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        x = tl.load(X + row * n + cols, mask=mask, other=0.0)
+        r = tl.load(R + row * n + cols, mask=mask, other=0.0)
+        s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the residual stream, rounded as torch's add
+        tl.store(XO + row * n + cols, s, mask=mask)
+        sf = s.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, 0) / n + eps)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        y = w * (sf * rstd).to(x.dtype).to(tl.float32)
+        tl.store(HO + row * n + cols, y.to(HO.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _merge_kernel(P, LSE, O, s_pb, s_ph, s_ps, s_lb, s_lh, s_ob, s_oh, SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        s = tl.arange(0, SP)
+        smask = s < SPLITS
+        lse = tl.load(LSE + b * s_lb + h * s_lh + s, mask=smask, other=float("-inf"))
+        top = tl.max(lse, 0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.exp(lse - top)  # empty splits (lse = -inf) weigh 0
+        cols = tl.arange(0, D)
+        p = tl.load(P + b * s_pb + h * s_ph + s[:, None] * s_ps + cols[None, :], mask=smask[:, None], other=0.0)
+        out = tl.sum(w[:, None] * p, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+        tl.store(O + b * s_ob + h * s_oh + cols, out.to(O.dtype.element_ty))
+
+
+def supports(head_dim: int) -> bool:
+    return triton is not None and head_dim >= 2 and head_dim & (head_dim - 1) == 0
+
+
+def qkv_prologue(qkv, num_heads: int, num_kv_heads: int, head_dim: int, q_weight, k_weight, eps: float,
+                 cos, sin, slots, k_cache, v_cache) -> torch.Tensor:
+    """Norm + rotary on q and k of the fused projection ``qkv``; writes k, v at ``slots``; returns q [N, H, D].
+
+    ``q_weight``/``k_weight`` are the per-head RMSNorm weights [D], or both None (no qk-norm)."""
+    n = qkv.shape[0]
+    q = torch.empty(n, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if n == 0:
+        return q
+    norm = q_weight is not None
+    dummy = cos  # an unread pointer when there is no norm
+    _qkv_prologue_kernel[(n, num_heads + num_kv_heads)](
+        qkv, q_weight if norm else dummy, k_weight if norm else dummy, cos, sin, slots, k_cache, v_cache, q, float(eps),
+        qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), q.stride(0),
+        H=num_heads, HK=num_kv_heads, D=head_dim, NORM=norm, num_warps=1,
+    )
+    return q
+
+
+def add_rmsnorm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + r, rmsnorm(x + r, weight))`` for [N, hidden] tensors, in one pass."""
+    n, hidden = x.shape
+    xo, ho = torch.empty_like(x), torch.empty_like(x)
+    if n:
+        block = triton.next_power_of_2(hidden)
+        _add_rmsnorm_kernel[(n,)](x, r.contiguous(), weight, xo, ho, hidden, float(eps), BLOCK=block,
+                                  num_warps=max(1, min(8, block // 256)))
+    return xo, ho
+
+
+def merge_splits(partial: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``partial`` [B, H, splits, D] fp32 and ``lse`` [B, H, splits] -> [B, H, D] in ``dtype``."""
+    b, h, splits, d = partial.shape
+    out = torch.empty(b, h, d, dtype=dtype, device=partial.device)
+    if b:
+        _merge_kernel[(b, h)](partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+                              out.stride(0), out.stride(1), SPLITS=splits, SP=triton.next_power_of_2(splits), D=d)
+    return out

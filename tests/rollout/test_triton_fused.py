@@ -1,0 +1,133 @@
+"""The fused decode-layer kernels (triton_fused.py) on CPU under the Triton interpreter: each
+kernel against the op chain it replaces, and the engine's greedy output with the fused layer path
+forced on (on a GPU it is on by default) against the unfused path. Each case runs in a subprocess
+because the interpreter is chosen when triton is imported."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+PRELUDE = r"""
+import torch
+from miles_core.rollout.engine_core import triton_fused as tf
+if not tf.available():
+    print("SKIP"); raise SystemExit
+torch.manual_seed(0)
+"""
+
+
+def interpret(code: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", PRELUDE + code], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    if "SKIP" in res.stdout:
+        pytest.skip("triton is not installed")
+    assert "OK" in res.stdout, res.stdout[-2000:]
+
+
+def test_qkv_prologue_matches_norm_rope_and_cache_write():
+    interpret(r"""
+from miles_core.kernels.rmsnorm import rmsnorm_torch
+from miles_core.kernels.rope import rope_torch
+from miles_core.models.decoder import Decoder, DecoderConfig
+n, H, HK, D = 5, 4, 2, 16
+m = Decoder(DecoderConfig(vocab_size=8, hidden_size=64, num_heads=H, num_kv_heads=HK, head_dim=D))
+pos = torch.tensor([0, 3, 7, 100, 1])
+def close(got, ref, dtype):
+    # the interpreter truncates fp32 -> bf16 (a GPU rounds to nearest) at each of the norm's two and
+    # the rotary's one rounding, and the rotary mixes two elements: bf16 is allowed 8 ulps of the
+    # head's largest value here, which still catches any layout error (fp32 is the tight check; the
+    # GPU tests cover bf16)
+    tol = 2e-6 if dtype == torch.float32 else 2 ** -5 * ref.float().abs().amax(-1, keepdim=True)
+    return bool(((got.float() - ref.float()).abs() <= tol).all())
+for dtype in (torch.float32, torch.bfloat16):
+    for norm in (True, False):
+        qkv = torch.randn(n, (H + 2 * HK) * D).to(dtype)
+        qw, kw = (1 + 0.1 * torch.randn(D)).to(dtype), (1 + 0.1 * torch.randn(D)).to(dtype)
+        cos, sin = m._rope(pos, dtype)  # [n, 1, D]
+        kc, vc = torch.zeros(32, HK, D, dtype=dtype), torch.zeros(32, HK, D, dtype=dtype)
+        slots = torch.tensor([9, 0, 31, 4, 17])
+        q = tf.qkv_prologue(qkv, H, HK, D, qw if norm else None, kw if norm else None, 1e-6, cos.view(n, D), sin.view(n, D), slots, kc, vc)
+        rq, rk, rv = qkv.view(n, H + 2 * HK, D).split([H, HK, HK], 1)
+        if norm:
+            rq, rk = rmsnorm_torch(rq, qw), rmsnorm_torch(rk, kw)
+        # rotary in fp32, rounded once (as miles_nvidia's rope kernel): [n, heads, 1, D] by [n, 1, 1, D]
+        c, s = cos[:, :, None].float(), sin[:, :, None].float()
+        rq, rk = (rope_torch(y[:, :, None].float(), c, s)[:, :, 0].to(dtype) for y in (rq, rk))
+        assert q.shape == (n, H, D) and q.dtype == dtype
+        assert close(q, rq, dtype), (dtype, norm, (q.float() - rq.float()).abs().max())
+        assert close(kc[slots], rk, dtype)
+        assert torch.equal(vc[slots], rv)
+        untouched = torch.ones(32, dtype=torch.bool)
+        untouched[slots] = False
+        assert kc[untouched].abs().max() == 0 and vc[untouched].abs().max() == 0
+print("OK")
+""")
+
+
+def test_add_rmsnorm_matches_add_then_norm():
+    interpret(r"""
+from miles_core.kernels.rmsnorm import rmsnorm_torch
+for dtype in (torch.float32, torch.bfloat16):
+    for hidden in (64, 96):  # 96: a row shorter than the kernel's power-of-two block
+        x, r = torch.randn(7, hidden).to(dtype), torch.randn(7, hidden).to(dtype)
+        w = (1 + 0.1 * torch.randn(hidden)).to(dtype)
+        s, h = tf.add_rmsnorm(x, r, w, 1e-5)
+        ref_s, ref = x + r, rmsnorm_torch(x + r, w, 1e-5)
+        # the interpreter truncates fp32 -> bf16 (a GPU rounds to nearest), three times here: bf16 is
+        # allowed 8 ulps of the row's largest value (fp32 is the tight check; the GPU tests cover bf16)
+        tol = (lambda t: 2e-6 * (1 + t.abs())) if dtype == torch.float32 else (lambda t: 2 ** -5 * t.abs().amax(-1, keepdim=True))
+        assert ((s.float() - ref_s.float()).abs() <= tol(ref_s.float())).all(), dtype
+        assert ((h.float() - ref.float()).abs() <= tol(ref.float())).all(), (dtype, hidden, (h.float() - ref.float()).abs().max())
+        if dtype == torch.float32:
+            assert torch.equal(s, ref_s)  # the residual stream: one fp32 add, as torch's
+print("OK")
+""")
+
+
+def test_engine_fused_layer_path_matches_unfused():
+    """A Qwen3-shaped (qk-norm) and a Llama-shaped tiny model, fp32: greedy tokens equal, logprobs
+    within 1e-4, and the fused kernels did run (two add_rmsnorm per layer and step)."""
+    interpret(r"""
+from miles_core.models.decoder import Decoder, DecoderConfig
+from miles_core.rollout.base import SamplingParams
+from miles_core.rollout.engine_core import runner as runner_mod
+from miles_core.rollout.engine_core.config import EngineConfig
+from miles_core.rollout.engine_core.core import EngineCore
+calls = {"prologue": 0, "add_norm": 0}
+prologue, add_norm = tf.qkv_prologue, tf.add_rmsnorm
+def count(name, fn):
+    def wrapped(*a, **k):
+        calls[name] += 1
+        return fn(*a, **k)
+    return wrapped
+tf.qkv_prologue, tf.add_rmsnorm = count("prologue", prologue), count("add_norm", add_norm)
+
+def run(m, fused):
+    core = EngineCore(m, EngineConfig(block_size=4, num_blocks=64, max_model_len=64, decode_steps=2, cpu_decode_window=False))
+    assert core.runner.fusable() and not core.runner.fused_kernels  # on by default only on a GPU with Triton
+    core.runner.fused_kernels = fused
+    prompts = [[3, 5, 7, 9, 11], [2, 4], [13] * 9]
+    reqs = [core.add_request(p, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))[0] for p in prompts]
+    while core.has_unfinished():
+        core.step()
+    return reqs
+
+for qk_norm in (True, False):
+    torch.manual_seed(0)
+    m = Decoder(DecoderConfig(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, qk_norm=qk_norm))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    ref = run(m, False)
+    assert calls == {"prologue": 0, "add_norm": 0}
+    got = run(m, True)
+    assert calls["add_norm"] == 2 * calls["prologue"] > 0, calls
+    calls.update(prologue=0, add_norm=0)
+    for a, b in zip(got, ref):
+        assert a.output_ids == b.output_ids, (qk_norm, a.output_ids, b.output_ids)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+print("OK")
+""")
