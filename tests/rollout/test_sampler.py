@@ -98,12 +98,13 @@ print("OK")
 
 def test_triton_sampler_matches_torch_in_interpreter():
     """The fused GPU sampling pass (triton_sample) against the torch sampler, under the interpreter:
-    greedy, plain temperature, top-k/top-p and min-p rows in one batch, fp32 and bf16 logits."""
+    greedy, plain temperature, top-k/top-p and min-p rows in one batch, fp32 and bf16 logits, with
+    the vocabulary in one chunk per row, in a few, and in one per block (the merge kernel)."""
     code = r"""
 import torch
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engine_core import triton_sample as ts
-from miles_core.rollout.engine_core.sampler import SamplingTensors, _threshold, row_hash, sample
+from miles_core.rollout.engine_core.sampler import SamplingTensors, _threshold, sample
 if not ts.available():
     print("SKIP"); raise SystemExit
 torch.manual_seed(0)
@@ -116,10 +117,15 @@ for dtype in (torch.float32, torch.bfloat16):
     tok, lp, _ = sample(logits, st, counters)
     temp = torch.where(st.temperature <= 0, torch.ones_like(st.temperature), st.temperature)
     lo = _threshold(logits.float() / temp[:, None], st)
-    got, glp = ts.sample_rows(logits, st.temperature, lo, row_hash(st.seeds, counters), True)
-    assert got.tolist() == tok.tolist(), (dtype, got.tolist(), tok.tolist())
-    assert (glp - lp).abs().max() < 1e-5, (glp - lp).abs().max()
-    g2, _ = ts.sample_rows(logits[:4:4], st.temperature[:1], lo[:1], row_hash(st.seeds, counters)[:1], False)
+    for sms in (1, 4, 200):  # one vocabulary chunk per row, a few, one per 2048-token block
+        got, glp = ts.sample_rows(logits, st.temperature, lo, st.seeds, counters, True, num_sms=sms)
+        assert got.tolist() == tok.tolist(), (dtype, sms, got.tolist(), tok.tolist())
+        assert (glp - lp).abs().max() < 1e-5, (glp - lp).abs().max()
+    # no filter (lo None): the rows that use none agree with the torch sampler
+    plain = torch.tensor([p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0 for p in params])
+    got, _ = ts.sample_rows(logits, st.temperature, None, st.seeds, counters, True)
+    assert got[plain].tolist() == tok[plain].tolist()
+    g2, _ = ts.sample_rows(logits[:4:4], st.temperature[:1], lo[:1], st.seeds[:1], counters[:1], False)
     assert g2.item() == logits[0].float().argmax().item()
 print("OK")
 """

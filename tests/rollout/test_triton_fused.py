@@ -47,9 +47,17 @@ for dtype in (torch.float32, torch.bfloat16):
         qkv = torch.randn(n, (H + 2 * HK) * D).to(dtype)
         qw, kw = (1 + 0.1 * torch.randn(D)).to(dtype), (1 + 0.1 * torch.randn(D)).to(dtype)
         cos, sin = m._rope(pos, dtype)  # [n, 1, D]
+        table_cos, table_sin = (t[:, 0].contiguous() for t in m._rope(torch.arange(128), dtype))  # rows read by position
         kc, vc = torch.zeros(32, HK, D, dtype=dtype), torch.zeros(32, HK, D, dtype=dtype)
         slots = torch.tensor([9, 0, 31, 4, 17])
-        q = tf.qkv_prologue(qkv, H, HK, D, qw if norm else None, kw if norm else None, 1e-6, cos.view(n, D), sin.view(n, D), slots, kc, vc)
+        args = (qkv, H, HK, D, qw if norm else None, kw if norm else None, 1e-6, pos, table_cos, table_sin)
+        q = tf.qkv_prologue(*args, kc, vc, slots=slots)
+        # decode: the slots found in the block tables (page 4: position 100 is past the 8-page table -> its last page)
+        tables = torch.randperm(n * 8).view(n, 8).to(torch.int32)  # distinct pages: distinct slots
+        found = tables[torch.arange(n), (pos // 4).clamp(max=7)].long() * 4 + pos % 4
+        kc2, vc2 = torch.zeros(n * 32, HK, D, dtype=dtype), torch.zeros(n * 32, HK, D, dtype=dtype)
+        q2 = tf.qkv_prologue(*args, kc2, vc2, block_tables=tables, page=4)
+        assert torch.equal(q2, q) and torch.equal(kc2[found], kc[slots]) and torch.equal(vc2[found], vc[slots])
         rq, rk, rv = qkv.view(n, H + 2 * HK, D).split([H, HK, HK], 1)
         if norm:
             rq, rk = rmsnorm_torch(rq, qw), rmsnorm_torch(rk, kw)
@@ -131,3 +139,4 @@ for qk_norm in (True, False):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 print("OK")
 """)
+

@@ -87,6 +87,7 @@ class ModelRunner:
         """Make each layer's q/k/v (and dense gate/up) weights views into one tensor; no-op with
         ``exact_attention`` or when a projection is not a plain bias-free ``nn.Linear``."""
         self.qkv, self.gate_up = [], []
+        self.rope_tables = None
         if self.cfg.exact_attention:
             return
         layers = self.model.model.layers
@@ -98,6 +99,10 @@ class ModelRunner:
             self.qkv.append(_fuse_rows(a.q_proj, a.k_proj, a.v_proj))
             dense = hasattr(mlp, "gate_proj") and plain(mlp.gate_proj, mlp.up_proj)
             self.gate_up.append(_fuse_rows(mlp.gate_proj, mlp.up_proj) if dense else None)
+        # cos/sin of every position a block table can address, from the decoder's own _rope (the fused
+        # prologue reads rows by position)
+        pos = torch.arange(self.max_blocks * self.block_size, device=self.device)
+        self.rope_tables = tuple(t[:, 0].contiguous() for t in self.model._rope(pos, self.dtype))
 
     def fusable(self) -> bool:
         """True if every layer is the decoder's own attention and RMSNorm (whose math the fused
@@ -112,7 +117,7 @@ class ModelRunner:
     def unfuse(self) -> None:
         """Drop the fused tensors (the parameters stay views of them until moved), e.g. before the
         weights are released to host memory; :meth:`fuse` rebuilds them."""
-        self.qkv, self.gate_up = [], []
+        self.qkv, self.gate_up, self.rope_tables = [], [], None
 
     # ------------------------------------------------------------------ memory
     def bytes_per_block(self) -> int:
@@ -154,10 +159,13 @@ class ModelRunner:
             return False
 
     # ------------------------------------------------------------------ forward
-    def _layers(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``x`` [N, hidden]; ``attend(q, k_cache, v_cache) -> [N, H, D]``. Returns (hidden, routing [N, L, k])."""
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None, attend) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x`` [N, hidden]; ``attend(q, k_cache, v_cache) -> [N, H, D]``; ``slots`` None: decode rows, found
+        from the block tables. Returns (hidden, routing [N, L, k])."""
         if self.fused_kernels and self.qkv:
             return self._layers_fused(x, positions, slots, attend)
+        if slots is None:
+            slots = self._decode_slots(positions.shape[0])
         model = self.model
         n = x.shape[0]
         d = self.head_dim
@@ -201,22 +209,29 @@ class ModelRunner:
                     x = x + mlp(h)
         return model.model.norm(x), (torch.stack(routed, 1) if routed else None)
 
-    def _layers_fused(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _decode_slots(self, bs: int) -> torch.Tensor:
+        """Cache slot of each decode row's new token, from its position and block table."""
+        positions, p = self.positions[:bs], self.block_size
+        page_col = (positions // p).clamp(max=self.max_blocks - 1)
+        return self.block_tables[:bs][torch.arange(bs, device=self.device), page_col].long() * p + positions % p
+
+    def _layers_fused(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None, attend) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`_layers` in fewer kernels (triton_fused.py): per layer the q/k/v GEMM, one prologue
-        (q/k norm, rotary, K/V write), attention, o_proj, residual add + norm, the MLP, residual add +
-        the next layer's norm."""
+        (q/k norm, rotary from the tables, decode slot, K/V write), attention, o_proj, residual add +
+        norm, the MLP, residual add + the next layer's norm."""
         model = self.model
         layers = model.model.layers
         n, d = x.shape[0], self.head_dim
-        cos, sin = (c.view(n, d) for c in model._rope(positions, x.dtype))
+        cos, sin = self.rope_tables
+        where = dict(slots=slots) if slots is not None else dict(block_tables=self.block_tables[:n], page=self.block_size)
         h = layers[0].input_layernorm(x)
         routed = []
         for i, layer in enumerate(layers):
             a = layer.self_attn
             norm = a.cfg.qk_norm
             q = triton_fused.qkv_prologue(F.linear(h, self.qkv[i]), a.cfg.num_heads, self.kv_heads, d, a.q_norm.weight if norm else None,
-                                          a.k_norm.weight if norm else None, a.q_norm.eps if norm else 0.0, cos, sin, slots,
-                                          self.kv[i, 0], self.kv[i, 1])
+                                          a.k_norm.weight if norm else None, a.q_norm.eps if norm else 0.0, positions, cos, sin,
+                                          self.kv[i, 0], self.kv[i, 1], **where)
             post = layer.post_attention_layernorm
             x, h = triton_fused.add_rmsnorm(x, a.o_proj(attend(q, self.kv[i, 0], self.kv[i, 1]).reshape(n, -1)), post.weight, post.eps)
             mlp = layer.mlp
@@ -251,10 +266,8 @@ class ModelRunner:
         tokens, positions = self.tokens[:bs], self.positions[:bs]
         bt, ctx = self.block_tables[:bs], self.ctx_lens[:bs]
         p = self.block_size
-        rows = torch.arange(bs, device=self.device)
-        page_col = (positions // p).clamp(max=self.max_blocks - 1)
-        slots = bt[rows, page_col].long() * p + positions % p
         if self.cfg.exact_attention:  # one query per row through the prefill path (SDPA with a mask)
+            rows = torch.arange(bs, device=self.device)
             meta = AttnBatch(bt, ctx.long(), rows, positions[:, None], bs, 1, max_ctx)
             attend = lambda q, kc, vc: paged_attention(q, kc, vc, meta, p)  # noqa: E731
         elif self.use_triton:
@@ -265,7 +278,7 @@ class ModelRunner:
         else:
             attend = lambda q, kc, vc: decode_attention_torch(q, kc, vc, bt, ctx, p, max_ctx)  # noqa: E731
         x = self.model.model.embed_tokens(tokens)
-        hidden, routed = self._layers(x, positions, slots, attend)
+        hidden, routed = self._layers(x, positions, None, attend)
         if self.cfg.exact_attention:
             self.last_hidden = hidden
         return self.model.lm_head(hidden), routed

@@ -112,12 +112,11 @@ def sample(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor):
     Returns (tokens [B] int64, logprobs [B] float32, top logprobs (values [B, k], ids [B, k]) or None).
     """
     if logits.is_cuda and st.max_top_logprobs == 0 and triton_sample.available():
+        lo = None
         if st.any_top_p_or_k or st.any_min_p:
             temp = torch.where(st.temperature <= 0, torch.ones_like(st.temperature), st.temperature)
             lo = _threshold(logits.float() / temp[:, None], st)
-        else:
-            lo = torch.full_like(st.temperature, float("-inf"))
-        tok, lp = triton_sample.sample_rows(logits, st.temperature, lo, row_hash(st.seeds, counters), st.any_sampled)
+        tok, lp = triton_sample.sample_rows(logits, st.temperature, lo, st.seeds, counters, st.any_sampled)
         return tok, lp, None
     return sample_torch(logits, st, counters)
 

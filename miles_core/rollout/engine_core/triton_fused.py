@@ -9,8 +9,11 @@ the decoder's Triton ops round):
 
     q_h = rope(rmsnorm(q_h, w_q))                        -> q out [N, H, D]
     k_h = rope(rmsnorm(k_h, w_k)); v_h                   -> K/V cache slot of the token
+    slot = block_table[p // page] * page + p % page      (decode; prefill passes the slots)
 
-  replacing q_norm, k_norm, two rotary calls (with their cos/sin copies) and two ``index_copy_``.
+  replacing q_norm, k_norm, two rotary calls (with their cos/sin copies), two ``index_copy_``, the
+  slot gather and ``Decoder._rope``'s dozen ops: cos/sin rows are read by position ``p`` from
+  tables the runner builds once with ``Decoder._rope`` itself (so they are its values exactly).
   Without qk-norm (Llama) the norm is skipped. rmsnorm as :mod:`miles_core.kernels.rmsnorm`
   (statistic in fp32, normalised value rounded to the model dtype, times the weight); rotary as
   rotate-half (:mod:`miles_core.kernels.rope`) in fp32, rounded once.
@@ -22,8 +25,8 @@ the decoder's Triton ops round):
 ``merge_splits``  flash-decoding's merge of the attention splits (partial outputs and their
   log-sum-exps) in one kernel instead of eight torch ops.
 
-Shapes: ``qkv`` [N, (H + 2 Hk) D] with unit last stride; ``cos``/``sin`` [N, D]; caches
-[S, Hk, D]; ``slots`` [N] int64; ``x``/``r`` [N, hidden] contiguous. ``D`` a power of two.
+Shapes: ``qkv`` [N, (H + 2 Hk) D] with unit last stride; ``positions`` [N] int64; cos/sin tables
+[max_len, D]; caches [S, Hk, D]; ``slots`` [N] int64 or block tables [N, max_blocks] int32; ``x``/``r`` [N, hidden] contiguous. ``D`` a power of two.
 """
 
 from __future__ import annotations
@@ -64,16 +67,17 @@ if triton is not None:
 
     @triton.jit
     def _qkv_prologue_kernel(
-        QKV, QW, KW, COS, SIN, SLOTS, KC, VC, QO, eps,
-        s_qkv, s_cs, s_ct, s_ch, s_qo,
-        H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr,
+        QKV, QW, KW, POS, COS, SIN, SLOTS, BT, KC, VC, QO, eps,
+        s_qkv, s_bt, max_blocks, s_ct, s_ch, s_qo,
+        H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, PAGE: tl.constexpr, HAS_SLOTS: tl.constexpr,
     ):
         t = tl.program_id(0)
         h = tl.program_id(1)  # 0..H-1: query heads; H..H+HK-1: key/value heads
         half = tl.arange(0, D // 2)
         row = QKV + t.to(tl.int64) * s_qkv
-        cos = COS + t * s_cs
-        sin = SIN + t * s_cs
+        p = tl.load(POS + t)
+        cos = COS + p * D
+        sin = SIN + p * D
         if h < H:
             o1, o2 = _norm_rope(row + h * D, QW, cos, sin, eps, D, NORM)
             out = QO + t.to(tl.int64) * s_qo + h * D
@@ -82,7 +86,11 @@ if triton is not None:
         else:
             g = h - H
             o1, o2 = _norm_rope(row + h * D, KW, cos, sin, eps, D, NORM)
-            slot = tl.load(SLOTS + t).to(tl.int64)
+            if HAS_SLOTS:
+                slot = tl.load(SLOTS + t).to(tl.int64)
+            else:  # a position past the table (a padding row) reads its last page, as the torch path
+                page = tl.load(BT + t.to(tl.int64) * s_bt + tl.minimum(p // PAGE, max_blocks - 1)).to(tl.int64)
+                slot = page * PAGE + p % PAGE
             dst = slot * s_ct + g * s_ch
             tl.store(KC + dst + half, o1.to(KC.dtype.element_ty))
             tl.store(KC + dst + D // 2 + half, o2.to(KC.dtype.element_ty))
@@ -126,20 +134,25 @@ def supports(head_dim: int) -> bool:
 
 
 def qkv_prologue(qkv, num_heads: int, num_kv_heads: int, head_dim: int, q_weight, k_weight, eps: float,
-                 cos, sin, slots, k_cache, v_cache) -> torch.Tensor:
-    """Norm + rotary on q and k of the fused projection ``qkv``; writes k, v at ``slots``; returns q [N, H, D].
+                 positions, cos_table, sin_table, k_cache, v_cache, slots=None, block_tables=None, page: int = 1) -> torch.Tensor:
+    """Norm + rotary on q and k of the fused projection ``qkv``; writes k, v into the caches; returns q [N, H, D].
 
-    ``q_weight``/``k_weight`` are the per-head RMSNorm weights [D], or both None (no qk-norm)."""
+    ``q_weight``/``k_weight`` are the per-head RMSNorm weights [D], or both None (no qk-norm). The
+    cache slots are ``slots``, or (decode, one row per sequence) found in ``block_tables`` with ``page``."""
     n = qkv.shape[0]
     q = torch.empty(n, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if n == 0:
         return q
     norm = q_weight is not None
-    dummy = cos  # an unread pointer when there is no norm
+    has_slots = slots is not None
+    dummy = positions  # an unread pointer
+    bt = block_tables if block_tables is not None else dummy
     _qkv_prologue_kernel[(n, num_heads + num_kv_heads)](
-        qkv, q_weight if norm else dummy, k_weight if norm else dummy, cos, sin, slots, k_cache, v_cache, q, float(eps),
-        qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), q.stride(0),
-        H=num_heads, HK=num_kv_heads, D=head_dim, NORM=norm, num_warps=1,
+        qkv, q_weight if norm else dummy, k_weight if norm else dummy, positions, cos_table, sin_table,
+        slots if has_slots else dummy, bt, k_cache, v_cache, q, float(eps),
+        qkv.stride(0), bt.stride(0) if not has_slots else 0, bt.shape[1] if not has_slots else 1,
+        k_cache.stride(0), k_cache.stride(1), q.stride(0),
+        H=num_heads, HK=num_kv_heads, D=head_dim, NORM=norm, PAGE=page, HAS_SLOTS=has_slots, num_warps=1,
     )
     return q
 
