@@ -1,6 +1,7 @@
 """The parts of one decode step, timed alone on the GPU: the paged attention kernel's launch
-variants and the step's GEMMs, each replayed from a CUDA graph (28 calls, one per layer, as in a
-step) so that launch overhead is what a captured step pays.
+variants, the step's GEMMs and the split-K kernel for the narrow ones (o_proj, down_proj), each
+replayed from a CUDA graph (28 calls, one per layer, as in a step) so that launch overhead is what a
+captured step pays.
 
     python benchmarks/decode_parts.py              # Qwen3-0.6B shape, batch 64 and 256, context 256
 
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from miles_core.rollout.engine_core import triton_decode  # noqa: E402
+from miles_core.rollout.engine_core import triton_decode, triton_gemm  # noqa: E402
 
 
 def graph_time(fn, calls: int = 28, reps: int = 20) -> float:
@@ -59,7 +60,7 @@ def attention(batches, ctx: int, heads=16, kv_heads=8, d=128, page=16) -> None:
         kv_bytes = 2 * b * ctx * kv_heads * d * 2
         best = None
         default = triton_decode.num_splits(b, kv_heads, torch.cuda.get_device_properties(dev).multi_processor_count)
-        for splits, bn, w, st in itertools.product(sorted({1, 2, 4, default}), (32, 64, 128), (4, 8), (2, 3, 4)):
+        for splits, bn, w, st in itertools.product(sorted({1, 2, default}), (32, 64, 128), (4, 8), (2, 3)):
             try:
                 t = graph_time(lambda: triton_decode.paged_decode(q, kc, vc, bt, cl, page, splits, bn, w, st))
             except Exception as exc:  # a config that does not compile (shared memory)
@@ -67,8 +68,10 @@ def attention(batches, ctx: int, heads=16, kv_heads=8, d=128, page=16) -> None:
                 continue
             tag = " (current default)" if (splits, bn, w, st) == (default, 64, 4, 3) else ""
             print(f"{b:>5} {splits:>6} {bn:>7} {w:>5} {st:>6} {t:>8.1f} {kv_bytes / t / 1e6:>6.2f}{tag}")
-            best = min(best or (t, None), (t, (splits, bn, w, st)))
-        print(f"  best at batch {b}: {best[0]:.1f} µs, (splits, block_n, warps, stages) = {best[1]}")
+            if best is None or t < best[0]:
+                best = (t, (splits, bn, w, st))
+        if best is not None:
+            print(f"  best at batch {b}: {best[0]:.1f} µs, (splits, block_n, warps, stages) = {best[1]}")
 
 
 def gemms(batches, hidden=1024, heads=16, kv_heads=8, d=128, inter=3072, vocab=151936) -> None:
@@ -87,15 +90,65 @@ def gemms(batches, hidden=1024, heads=16, kv_heads=8, d=128, inter=3072, vocab=1
         print(f"  batch {b}: {total / 1e3:.3f} ms of GEMM per decode step (28 layers + lm_head)")
 
 
+def splitk(batches, hidden=1024, heads=16, d=128, inter=3072) -> None:
+    """cuBLAS against triton_gemm's split-K kernel for the GEMMs whose output is only ``hidden`` wide.
+    Splits: choose_split's and its half and double; the partials' sum over splits (``partial.sum(0)``,
+    which the consumer kernel will fuse with the residual add and the norm) is timed alone. TB/s counts
+    the bytes a GEMM must move (weight + x + a bf16 output), the same for both, not the fp32 partials."""
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    shapes = {"o": (hidden, heads * d), "down": (hidden, inter)}
+    print(f"\nsplit-K GEMM (triton_gemm, fp32 partials [split, M, N], {sms} SMs) against cuBLAS F.linear, bf16")
+    print(f"{'batch':>5} {'gemm':>5} {'split':>5} {'block_n':>7} {'block_k':>7} {'µs':>8} {'TB/s':>6} {'sum µs':>7} "
+          f"{'total':>8} {'TB/s':>6}")
+    for b in batches:
+        for name, (n, k) in shapes.items():
+            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+            x = torch.randn(b, k, device=dev, dtype=torch.bfloat16)
+            nbytes = (n * k + b * k + b * n) * 2
+            ref = F.linear(x, w).float()
+            t = graph_time(lambda: F.linear(x, w))
+            tb = nbytes / t / 1e6
+            print(f"{b:>5} {name:>5} {'cuBLAS':>21} {t:>8.1f} {tb:>6.2f} {'':>7} {t:>8.1f} {tb:>6.2f}")
+            best, best_total = None, None
+            for bn, bk in itertools.product((32, 64), (64, 128)):
+                s0 = triton_gemm.choose_split(n, k, sms, bn, bk)
+                kb = -(-k // bk)
+                for split in sorted({max(1, s0 // 2), s0, min(kb, 2 * s0)}):
+                    try:
+                        part = triton_gemm.splitk_gemm(x, w, split, bn, bk, num_warps=4)
+                        err = ((part.sum(0) - ref).abs().max() / ref.abs().max()).item()
+                        t = graph_time(lambda: triton_gemm.splitk_gemm(x, w, split, bn, bk, num_warps=4))
+                        ts = graph_time(lambda: part.sum(0))
+                    except Exception as exc:  # a config that does not compile (shared memory)
+                        print(f"{b:>5} {name:>5} {split:>5} {bn:>7} {bk:>7}   failed: {type(exc).__name__}")
+                        continue
+                    tag = " (choose_split)" if split == s0 else ""
+                    tag += f"  WRONG: max error {err:.2e} of max |y|" if err > 1e-2 else ""
+                    print(f"{b:>5} {name:>5} {split:>5} {bn:>7} {bk:>7} {t:>8.1f} {nbytes / t / 1e6:>6.2f} {ts:>7.1f} "
+                          f"{t + ts:>8.1f} {nbytes / (t + ts) / 1e6:>6.2f}{tag}")
+                    if err <= 1e-2:
+                        if best is None or t < best[0]:
+                            best = (t, ts, (split, bn, bk))
+                        if best_total is None or t + ts < best_total[0] + best_total[1]:
+                            best_total = (t, ts, (split, bn, bk))
+            for what, r in (("kernel", best), ("kernel + sum", best_total)):
+                if r is not None:
+                    print(f"  best {what} at batch {b}, {name}: {r[0]:.1f} + {r[1]:.1f} µs sum, "
+                          f"(split, block_n, block_k) = {r[2]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--attention-batches", default="64", help="batches of the attention sweep")
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     gemms(batches)
-    attention(batches, a.ctx)
+    splitk(batches)
+    attention([int(x) for x in a.attention_batches.split(',')], a.ctx)
 
 
 if __name__ == "__main__":

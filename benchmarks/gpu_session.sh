@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_session.sh megdiag    # Megatron trainer, compiled: dynamo's graph breaks and recompiles, MFU; profile of one eager step
 #   bash benchmarks/gpu_session.sh fp8both    # FP8 linear fwd+bwd with dy quantised by the one-read kernel (default) and split (MILES_FP8_BOTH=split), with the dy variants table
 #   bash benchmarks/gpu_session.sh engprof    # engine decode at batch 64: profile by kernel kind; decode_parts.py (attention variants, GEMMs)
+#   bash benchmarks/gpu_session.sh engine2    # rollout GPU tests; rollout bench (default, and --splitk); profile with --splitk; decode_parts.py
 #   bash benchmarks/gpu_session.sh fp8check   # the FP8 quantiser / module-gradient / path tests under the default (fused activation) kernels
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
 # Logs and JSON go to $OUT (the device tool brings them back).
@@ -95,6 +96,12 @@ for part in "$@"; do
       python3 benchmarks/profile_gpu.py engine --batch 64 --new-tokens 256 2>&1 | tee "$OUT/profile_engine64.log" | grep -A14 -E "^engine:|kernel kind"
       OUT=$OUT/rb python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench.log" | tail -6
       python3 benchmarks/decode_parts.py 2>&1 | tee "$OUT/decode_parts.log" | grep -E "batch [0-9]+:|best|current default|^ *(64|256) +(qkv|o|gate_up|down|lm_head)" ;;
+    engine2)
+      python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -4
+      OUT=$OUT/rb timeout 200 python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench.log" | tail -6
+      OUT=$OUT/rbk timeout 100 python3 benchmarks/rollout_bench.py --preset gpu --batches 64,256 --skip-hf --splitk 2>&1 | tee "$OUT/rollout_bench_splitk.log" | tail -4
+      timeout 60 python3 benchmarks/profile_gpu.py engine --batch 64 --new-tokens 256 --splitk 2>&1 | tee "$OUT/profile_engine64_splitk.log" | grep -A14 -E "^engine:|kernel kind"
+      timeout 200 python3 benchmarks/decode_parts.py 2>&1 | tee "$OUT/decode_parts.log" | grep -E "batch [0-9]+:|best|current default|^ *(64|256) +(qkv|o|gate_up|down|lm_head) " ;;
     fp8check)
       python3 -m pytest -q -rf --tb=short plugins/miles_nvidia/tests/test_nv_fp8.py -k "gpu_quantisers_bitwise or module_grads or gpu_paths" 2>&1 \
         | tee "$OUT/fp8check_tests.log" | tail -4 ;;

@@ -91,13 +91,21 @@ for dtype in (torch.float32, torch.bfloat16):
         assert ((h.float() - ref.float()).abs() <= tol(ref.float())).all(), (dtype, hidden, (h.float() - ref.float()).abs().max())
         if dtype == torch.float32:
             assert torch.equal(s, ref_s)  # the residual stream: one fp32 add, as torch's
+        # split-K partials [3, rows, hidden] fp32: x + (p0 + p1 + p2), rounded once
+        parts = torch.randn(3, 7, hidden)
+        s3, h3 = tf.add_rmsnorm(x, parts, w, 1e-5)
+        ref_s3 = (x.float() + (parts[0] + parts[1] + parts[2])).to(dtype)
+        assert ((s3.float() - ref_s3.float()).abs() <= tol(ref_s3.float())).all(), dtype
+        ref3 = rmsnorm_torch(ref_s3, w, 1e-5)
+        assert ((h3.float() - ref3.float()).abs() <= tol(ref3.float())).all(), dtype
 print("OK")
 """)
 
 
 def test_engine_fused_layer_path_matches_unfused():
     """A Qwen3-shaped (qk-norm) and a Llama-shaped tiny model, fp32: greedy tokens equal, logprobs
-    within 1e-4, and the fused kernels did run (two add_rmsnorm per layer and step)."""
+    within 1e-4, with and without the split-K GEMM, and the fused kernels did run (two add_rmsnorm
+    per layer and step)."""
     interpret(r"""
 from miles_core.models.decoder import Decoder, DecoderConfig
 from miles_core.rollout.base import SamplingParams
@@ -113,10 +121,10 @@ def count(name, fn):
     return wrapped
 tf.qkv_prologue, tf.add_rmsnorm = count("prologue", prologue), count("add_norm", add_norm)
 
-def run(m, fused):
+def run(m, fused, splitk=False):
     core = EngineCore(m, EngineConfig(block_size=4, num_blocks=64, max_model_len=64, decode_steps=2, cpu_decode_window=False))
     assert core.runner.fusable() and not core.runner.fused_kernels  # on by default only on a GPU with Triton
-    core.runner.fused_kernels = fused
+    core.runner.fused_kernels, core.runner.splitk = fused, splitk
     prompts = [[3, 5, 7, 9, 11], [2, 4], [13] * 9]
     reqs = [core.add_request(p, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))[0] for p in prompts]
     while core.has_unfinished():
@@ -131,12 +139,13 @@ for qk_norm in (True, False):
             p.add_(0.3 * torch.randn_like(p))
     ref = run(m, False)
     assert calls == {"prologue": 0, "add_norm": 0}
-    got = run(m, True)
-    assert calls["add_norm"] == 2 * calls["prologue"] > 0, calls
-    calls.update(prologue=0, add_norm=0)
-    for a, b in zip(got, ref):
-        assert a.output_ids == b.output_ids, (qk_norm, a.output_ids, b.output_ids)
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    for splitk in (False, True):  # o_proj / down_proj as split-K partials summed by add_rmsnorm
+        got = run(m, True, splitk)
+        assert calls["add_norm"] == 2 * calls["prologue"] > 0, calls
+        calls.update(prologue=0, add_norm=0)
+        for a, b in zip(got, ref):
+            assert a.output_ids == b.output_ids, (qk_norm, splitk, a.output_ids, b.output_ids)
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 print("OK")
 """)
 

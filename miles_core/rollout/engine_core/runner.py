@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles_core.models.decoder import Attention, RMSNorm
-from miles_core.rollout.engine_core import triton_decode, triton_fused
+from miles_core.rollout.engine_core import triton_decode, triton_fused, triton_gemm
 
 from miles_core.rollout.engine_core.attention import AttnBatch, decode_attention_torch, gather_slots, paged_attention
 from miles_core.rollout.engine_core.config import EngineConfig
@@ -81,6 +81,7 @@ class ModelRunner:
         self.fuse()
         # the fused Triton layer kernels (triton_fused.py) on the fast GPU path; see _layers_fused
         self.fused_kernels = self.use_triton and cfg.fused_kernels and self.fusable()
+        self.splitk = self.fused_kernels and cfg.splitk_gemm  # o_proj / down_proj as split-K partials (triton_gemm.py)
 
     # ------------------------------------------------------------------ fused projections
     def fuse(self) -> None:
@@ -233,7 +234,8 @@ class ModelRunner:
                                           a.k_norm.weight if norm else None, a.q_norm.eps if norm else 0.0, positions, cos, sin,
                                           self.kv[i, 0], self.kv[i, 1], **where)
             post = layer.post_attention_layernorm
-            x, h = triton_fused.add_rmsnorm(x, a.o_proj(attend(q, self.kv[i, 0], self.kv[i, 1]).reshape(n, -1)), post.weight, post.eps)
+            x, h = triton_fused.add_rmsnorm(x, self._out_linear(a.o_proj, attend(q, self.kv[i, 0], self.kv[i, 1]).reshape(n, -1)),
+                                            post.weight, post.eps)
             mlp = layer.mlp
             if hasattr(mlp, "route"):
                 ids, w = mlp.route(h)
@@ -245,12 +247,20 @@ class ModelRunner:
                 gu = self.gate_up[i] if self.gate_up else None
                 if gu is not None:
                     gate, up = F.linear(h, gu).chunk(2, -1)
-                    out = mlp.down_proj(mlp.act(gate, up))
+                    out = self._out_linear(mlp.down_proj, mlp.act(gate, up))
                 else:
                     out = mlp(h)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
             x, h = triton_fused.add_rmsnorm(x, out, nxt.weight, nxt.eps)
         return h, (torch.stack(routed, 1) if routed else None)
+
+    def _out_linear(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A projection back to the hidden size whose output only feeds :func:`.triton_fused.add_rmsnorm`:
+        with ``splitk_gemm``, at decode batch sizes, the split-K kernel's fp32 partials (the add sums them)."""
+        if not (self.splitk and x.shape[0] <= 256 and type(linear) is nn.Linear and linear.bias is None):
+            return linear(x)
+        w = linear.weight
+        return triton_gemm.splitk_gemm(x, w, triton_gemm.choose_split(w.shape[0], w.shape[1], self.num_sms))
 
     @torch.no_grad()
     def prefill(self, input_ids, positions, slots, meta: AttnBatch, logits_index):

@@ -22,6 +22,8 @@ the decoder's Triton ops round):
 
     x' = round(x + r);  h = w * round(x' * rsqrt(mean(x'^2) + eps))   -> (x', h)
 
+  where ``r`` may also be a split-K GEMM's fp32 partials, summed here (``x + sum_s r_s``).
+
 ``merge_splits``  flash-decoding's merge of the attention splits (partial outputs and their
   log-sum-exps) in one kernel instead of eight torch ops.
 
@@ -99,13 +101,15 @@ if triton is not None:
             tl.store(VC + dst + cols, v.to(VC.dtype.element_ty))
 
     @triton.jit
-    def _add_rmsnorm_kernel(X, R, W, XO, HO, n, eps, BLOCK: tl.constexpr):
+    def _add_rmsnorm_kernel(X, R, W, XO, HO, n, s_rs, eps, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
         x = tl.load(X + row * n + cols, mask=mask, other=0.0)
-        r = tl.load(R + row * n + cols, mask=mask, other=0.0)
-        s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the residual stream, rounded as torch's add
+        r = tl.load(R + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+        for i in tl.static_range(1, SPLITS):  # split-K partial sums of a GEMM: summed in order, in fp32
+            r += tl.load(R + i * s_rs + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (x.to(tl.float32) + r).to(x.dtype)  # the residual stream, rounded as torch's add
         tl.store(XO + row * n + cols, s, mask=mask)
         sf = s.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, 0) / n + eps)
@@ -158,12 +162,17 @@ def qkv_prologue(qkv, num_heads: int, num_kv_heads: int, head_dim: int, q_weight
 
 
 def add_rmsnorm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x + r, rmsnorm(x + r, weight))`` for [N, hidden] tensors, in one pass."""
+    """``(x + r, rmsnorm(x + r, weight))`` for ``x`` [N, hidden], in one pass.
+
+    ``r`` is [N, hidden], or [S, N, hidden] fp32 split-K partials of a GEMM (:mod:`.triton_gemm`):
+    then ``x + sum_s r_s`` is taken in fp32 and rounded once (the GEMM output is never rounded)."""
     n, hidden = x.shape
     xo, ho = torch.empty_like(x), torch.empty_like(x)
     if n:
+        r = r.contiguous()
+        splits = r.shape[0] if r.dim() == 3 else 1
         block = triton.next_power_of_2(hidden)
-        _add_rmsnorm_kernel[(n,)](x, r.contiguous(), weight, xo, ho, hidden, float(eps), BLOCK=block,
+        _add_rmsnorm_kernel[(n,)](x, r, weight, xo, ho, hidden, n * hidden, float(eps), SPLITS=splits, BLOCK=block,
                                   num_warps=max(1, min(8, block // 256)))
     return xo, ho
 
