@@ -10,9 +10,10 @@
 #   bash benchmarks/gpu_session.sh mfu        # torch trainer MFU, compiled, 16k-token micro-batches: varlen vs cudnn attention; profile with cudnn
 #   bash benchmarks/gpu_session.sh megatron   # Megatron trainer: GPU tests, MFU (varlen / cudnn / compiled), profile of one step
 #   bash benchmarks/gpu_session.sh megdiag    # Megatron trainer, compiled: dynamo's graph breaks and recompiles, MFU; profile of one eager step
-#   bash benchmarks/gpu_session.sh fp8both    # FP8 linear fwd+bwd with dy quantised by the one-read kernel (default) and split (MILES_FP8_BOTH=split), with the dy variants table
+#   bash benchmarks/gpu_session.sh fp8both    # FP8 linear fwd+bwd with dy quantised by the one-read kernel (MILES_FP8_BOTH=fused) and split (the default), with the dy variants table
 #   bash benchmarks/gpu_session.sh engprof    # engine decode at batch 64: profile by kernel kind; decode_parts.py (attention variants, GEMMs)
-#   bash benchmarks/gpu_session.sh engine2    # rollout GPU tests; rollout bench (default, and --splitk); profile with --splitk; decode_parts.py
+#   bash benchmarks/gpu_session.sh engine2    # rollout GPU tests; rollout bench (default, and --no-splitk); engine profile; decode_parts.py
+#   bash benchmarks/gpu_session.sh final8     # rollout GPU tests, FP8 tests; rollout bench (default; decode_steps 32); FP8 tables and 200-step loss
 #   bash benchmarks/gpu_session.sh fp8check   # the FP8 quantiser / module-gradient / path tests under the default (fused activation) kernels
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
 # Logs and JSON go to $OUT (the device tool brings them back).
@@ -87,8 +88,8 @@ for part in "$@"; do
         | tee "$OUT/megatron_profile.log" | grep -E "^train:|Self CUDA time total" ;;
     fp8both)
       python3 -m pytest -q -rf --tb=short plugins/miles_nvidia/tests/test_nv_fp8.py -k "bitwise" 2>&1 | tee "$OUT/fp8both_tests.log" | tail -3
-      OUT=/tmp/fused1 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8 2>&1 | tee "$OUT/fp8both_default.log" | tail -26
-      MILES_FP8_BOTH=split OUT=/tmp/split python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8 2>&1 \
+      MILES_FP8_BOTH=fused OUT=/tmp/fused1 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8 2>&1 | tee "$OUT/fp8both_fused.log" | tail -26
+      OUT=/tmp/split python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8 2>&1 \
         | tee "$OUT/fp8both_split.log" | grep -A12 "forward+backward" ;;
     engprof)
       python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -4
@@ -99,9 +100,15 @@ for part in "$@"; do
     engine2)
       python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -4
       OUT=$OUT/rb timeout 200 python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench.log" | tail -6
-      OUT=$OUT/rbk timeout 100 python3 benchmarks/rollout_bench.py --preset gpu --batches 64,256 --skip-hf --splitk 2>&1 | tee "$OUT/rollout_bench_splitk.log" | tail -4
-      timeout 60 python3 benchmarks/profile_gpu.py engine --batch 64 --new-tokens 256 --splitk 2>&1 | tee "$OUT/profile_engine64_splitk.log" | grep -A14 -E "^engine:|kernel kind"
+      OUT=$OUT/rbk timeout 100 python3 benchmarks/rollout_bench.py --preset gpu --batches 64,256 --skip-hf --no-splitk 2>&1 | tee "$OUT/rollout_bench_nosplitk.log" | tail -4
+      timeout 60 python3 benchmarks/profile_gpu.py engine --batch 64 --new-tokens 256 2>&1 | tee "$OUT/profile_engine64.log" | grep -A14 -E "^engine:|kernel kind"
       timeout 200 python3 benchmarks/decode_parts.py 2>&1 | tee "$OUT/decode_parts.log" | grep -E "batch [0-9]+:|best|current default|^ *(64|256) +(qkv|o|gate_up|down|lm_head) " ;;
+    final8)
+      timeout 60 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -3
+      timeout 60 python3 -m pytest -q -rf --tb=short plugins/miles_nvidia/tests/test_nv_fp8.py -k "bitwise or module_grads or gpu_paths" 2>&1 | tee "$OUT/fp8_tests.log" | tail -3
+      OUT=$OUT/rb timeout 150 python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench.log" | tail -6
+      OUT=$OUT/ds32 timeout 60 python3 benchmarks/rollout_bench.py --preset gpu --batches 64,256 --skip-hf --decode-steps 32 2>&1 | tee "$OUT/rollout_bench_ds32.log" | tail -3
+      OUT=$OUT/fp8 timeout 170 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8,loss 2>&1 | tee "$OUT/fp8_bench.log" | grep -A11 -E "forward\+backward|200|loss" | head -40 ;;
     fp8check)
       python3 -m pytest -q -rf --tb=short plugins/miles_nvidia/tests/test_nv_fp8.py -k "gpu_quantisers_bitwise or module_grads or gpu_paths" 2>&1 \
         | tee "$OUT/fp8check_tests.log" | tail -4 ;;

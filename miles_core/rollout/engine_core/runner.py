@@ -255,12 +255,18 @@ class ModelRunner:
         return h, (torch.stack(routed, 1) if routed else None)
 
     def _out_linear(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """A projection back to the hidden size whose output only feeds :func:`.triton_fused.add_rmsnorm`:
-        with ``splitk_gemm``, at decode batch sizes, the split-K kernel's fp32 partials (the add sums them)."""
-        if not (self.splitk and x.shape[0] <= 256 and type(linear) is nn.Linear and linear.bias is None):
+        """A projection back to the hidden size whose output only feeds :func:`.triton_fused.add_rmsnorm`.
+
+        With ``splitk_gemm``, for at most 64 rows, the split-K kernel's fp32 partials (the add sums
+        them): on the H200 at 64 rows it took o_proj from cuBLAS's 5.0 to 3.1 µs and down_proj from
+        6.6 to 4.0 µs; at 256 rows cuBLAS was the faster (benchmarks/decode_parts.py, 2026-12-03).
+        Tiles 32 x 64, half the splits :func:`.triton_gemm.choose_split` gives for one wave (the
+        fastest there: fewer partials to write and sum)."""
+        if not (self.splitk and x.shape[0] <= 64 and type(linear) is nn.Linear and linear.bias is None):
             return linear(x)
         w = linear.weight
-        return triton_gemm.splitk_gemm(x, w, triton_gemm.choose_split(w.shape[0], w.shape[1], self.num_sms))
+        split = max(1, triton_gemm.choose_split(w.shape[0], w.shape[1], self.num_sms, 32, 64) // 2)
+        return triton_gemm.splitk_gemm(x, w, split, block_n=32, block_k=64)
 
     @torch.no_grad()
     def prefill(self, input_ids, positions, slots, meta: AttnBatch, logits_index):
