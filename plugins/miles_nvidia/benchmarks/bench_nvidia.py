@@ -183,7 +183,9 @@ def bench_fp8(quick: bool):
         # the variants of dy's two layouts (issue #7: the one-read kernel ran at ~0.6 TB/s on the H200): its
         # sub-tile rows x warps, and the split path (column kernel + row kernel, two reads); bytes moved per
         # element: 2 read + 1 + 1 written (split: 4 read + 2 written)
-        variants = {f"one-read sub_m={sm} warps={wp}": dict(sub_m=sm, warps=wp) for sm in (16, 32, 64) for wp in (8, 16)}
+        # split=False explicitly: the one-read rows must not follow MILES_FP8_BOTH (a session-8 run under
+        # MILES_FP8_BOTH=split timed the split path in every row)
+        variants = {f"one-read sub_m={sm} warps={wp}": dict(sub_m=sm, warps=wp, split=False) for sm in (16, 32, 64) for wp in (8, 16)}
         variants["split (cols + rows kernels)"] = dict(split=True)
         ref_bytes = quantize_act_t_triton(dy, both=True, fused=False)
         row["dy_variants"] = {}
