@@ -16,13 +16,13 @@ when the next sample would exceed ``max_tokens``; a sample longer than the budge
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from miles_core.kernels.varlen import causal_varlen
 from miles_core.types import TrainBatch
 
 
@@ -121,18 +121,7 @@ def micro_batch_plan(batch: TrainBatch, world_size: int, max_tokens: int) -> lis
 
 
 # ---------------------------------------------------------------------- attention over a pack
-def _varlen_fn():
-    """torch's flash-attention varlen op (torch >= 2.10, CUDA), with its causal keyword, or None."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    params = inspect.signature(varlen_attn).parameters
-    if "is_causal" in params:  # torch 2.10 / 2.11
-        return lambda q, k, v, cu, m: varlen_attn(q, k, v, cu, cu, m, m, is_causal=True)
-    if "window_size" in params:  # torch >= 2.12
-        return lambda q, k, v, cu, m: varlen_attn(q, k, v, cu, cu, m, m, window_size=(-1, 0))
-    return None
+_varlen_fn = causal_varlen  # torch's flash-attention varlen op (torch >= 2.10, CUDA), or None
 
 
 class SegmentAttention:

@@ -36,6 +36,9 @@ class AttnBatch:
     num_seqs: int
     max_q: int  # Qmax (host int)
     max_ctx: int  # T, a multiple of the block size (host int)
+    # prefill only, when every chunk starts at position 0 (no cached context): [B + 1] int32 start
+    # offsets of the sequences in the flat batch, for the flash varlen path (runner.prefill)
+    cu_seqlens: torch.Tensor | None = None
 
 
 def gather_slots(block_tables: torch.Tensor, max_ctx: int, block_size: int) -> torch.Tensor:

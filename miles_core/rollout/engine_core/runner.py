@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles_core.kernels.varlen import causal_varlen
 from miles_core.models.decoder import Attention, RMSNorm
 from miles_core.rollout.engine_core import triton_decode, triton_fused, triton_gemm
 
@@ -82,6 +83,9 @@ class ModelRunner:
         # the fused Triton layer kernels (triton_fused.py) on the fast GPU path; see _layers_fused
         self.fused_kernels = self.use_triton and cfg.fused_kernels and self.fusable()
         self.splitk = self.fused_kernels and cfg.splitk_gemm  # o_proj / down_proj as split-K partials (triton_gemm.py)
+        # flash varlen attention for prefills of fresh prompts (bf16/fp16 on the fast GPU path), or None
+        half = self.dtype in (torch.bfloat16, torch.float16)
+        self.varlen = causal_varlen() if self.use_triton and half else None
 
     # ------------------------------------------------------------------ fused projections
     def fuse(self) -> None:
@@ -272,7 +276,16 @@ class ModelRunner:
     def prefill(self, input_ids, positions, slots, meta: AttnBatch, logits_index):
         """Flat prefill of chunks of several sequences. Returns (logits [M, V] at ``logits_index``, routing)."""
         x = self.model.model.embed_tokens(input_ids)
-        hidden, routed = self._layers(x, positions, slots, lambda q, kc, vc: paged_attention(q, kc, vc, meta, self.block_size))
+        varlen = self.varlen if meta.cu_seqlens is not None and self.use_triton else None
+        if varlen is not None:  # fresh prompts (fast GPU path): flash varlen over the chunk's own K/V, no padded gather
+            rep = self.model.config.num_heads // self.kv_heads
+
+            def attend(q, kc, vc):
+                k, v = (c[slots].repeat_interleave(rep, dim=1) if rep > 1 else c[slots] for c in (kc, vc))
+                return varlen(q, k, v, meta.cu_seqlens, meta.max_q)
+        else:
+            attend = lambda q, kc, vc: paged_attention(q, kc, vc, meta, self.block_size)  # noqa: E731
+        hidden, routed = self._layers(x, positions, slots, attend)
         if self.cfg.exact_attention:
             self.last_hidden = hidden[logits_index]  # the core's logprobs_op reads it
         logits = self.model.lm_head(hidden[logits_index]) if logits_index.numel() else None
