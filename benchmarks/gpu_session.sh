@@ -14,6 +14,7 @@
 #   bash benchmarks/gpu_session.sh engprof    # engine decode at batch 64: profile by kernel kind; decode_parts.py (attention variants, GEMMs)
 #   bash benchmarks/gpu_session.sh engine2    # rollout GPU tests; rollout bench (default, and --no-splitk); engine profile; decode_parts.py
 #   bash benchmarks/gpu_session.sh final8     # rollout GPU tests, FP8 tests; rollout bench (default; decode_steps 32); FP8 tables and 200-step loss
+#   bash benchmarks/gpu_session.sh s9a      # rollout GPU tests, rollout bench, engine profile at 64; the FP8 backward's parts alone (bench_nvidia --only parts)
 #   bash benchmarks/gpu_session.sh fp8check   # the FP8 quantiser / module-gradient / path tests under the default (fused activation) kernels
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
 # Logs and JSON go to $OUT (the device tool brings them back).
@@ -109,6 +110,11 @@ for part in "$@"; do
       OUT=$OUT/rb timeout 150 python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench.log" | tail -6
       OUT=$OUT/ds32 timeout 60 python3 benchmarks/rollout_bench.py --preset gpu --batches 64,256 --skip-hf --decode-steps 32 2>&1 | tee "$OUT/rollout_bench_ds32.log" | tail -3
       OUT=$OUT/fp8 timeout 170 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8,loss 2>&1 | tee "$OUT/fp8_bench.log" | grep -A11 -E "forward\+backward|200|loss" | head -40 ;;
+    s9a)
+      timeout 90 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -3
+      OUT=$OUT/rb timeout 150 python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench.log" | tail -6
+      timeout 60 python3 benchmarks/profile_gpu.py engine --batch 64 --new-tokens 256 2>&1 | tee "$OUT/profile_engine64.log" | grep -A14 -E "^engine:|kernel kind"
+      OUT=$OUT/parts timeout 200 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only parts 2>&1 | tee "$OUT/fp8_parts.log" | tail -60 ;;
     fp8check)
       python3 -m pytest -q -rf --tb=short plugins/miles_nvidia/tests/test_nv_fp8.py -k "gpu_quantisers_bitwise or module_grads or gpu_paths" 2>&1 \
         | tee "$OUT/fp8check_tests.log" | tail -4 ;;

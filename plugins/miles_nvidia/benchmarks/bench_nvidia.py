@@ -6,7 +6,9 @@
 3. loss after 200 SFT steps at quickstart size, fp8 vs bf16 recipe;
 4. batch-invariant mode: engine vs trainer logprobs bitwise on a Qwen3-shaped model, and its cost.
 
-Usage: python plugins/miles_nvidia/benchmarks/bench_nvidia.py [--only logprobs,fp8,loss,bi] [--quick] [--smoke]
+With ``--only parts``: the FP8 backward's GEMMs and dy quantisers alone, at several launch shapes.
+
+Usage: python plugins/miles_nvidia/benchmarks/bench_nvidia.py [--only logprobs,fp8,parts,loss,bi] [--quick] [--smoke]
 """
 
 from __future__ import annotations
@@ -270,6 +272,79 @@ FP8_LEGEND = """Columns (times are means over CUDA-synchronised loops; bf16 inpu
   W quantisations: times the module quantised W during the timed loops (1 = every call hit the cache)."""
 
 
+def bench_parts(quick: bool):
+    """The backward's parts alone, 8B shapes (issue #7: the wgrad GEMM and dy's quantisation are what keep
+    forward+backward under 1.4x): bf16 GEMMs; the three FP8 GEMMs; the wgrad GEMM with its operands swapped
+    (dW.T = x.T-tiles x dy.T-tiles, then a transposing copy) and on the Triton kernel at several launch
+    shapes; the row and column quantisers at several launch shapes, in TB/s of 3 bytes per element."""
+    from miles_nvidia.fp8.gemm import fp8_gemm, fp8_gemm_triton
+    from miles_nvidia.fp8.linear import Fp8Weight
+    from miles_nvidia.fp8.quant import quantize_act, quantize_act_t
+    from miles_nvidia.fp8.quant_triton import quantize_act_t_triton, quantize_act_triton
+
+    m = 4096 if quick else 16384
+    shapes = {k: v for k, v in SHAPES.items() if k.startswith("8B")}
+    if SMOKE["on"]:
+        m, shapes = 256, {"smoke": (256, 128)}
+    rows, qrows = [], []
+    for name, (n, k) in shapes.items():
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
+        dy = torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
+        qx, sx = quantize_act(x)
+        qxt, sxt = quantize_act_t(x)
+        qdyt, sdyt, qdy, sdy = quantize_act_t(dy, both=True)
+        wq = Fp8Weight.of(w)
+        ref = fp8_gemm(qdyt, sdyt, qxt, sxt, 1, torch.bfloat16, "emulated" if SMOKE["on"] else "auto").float()
+        cand = {
+            "bf16 fwd x @ W.T": lambda: x @ w.t(),
+            "bf16 dgrad dy @ W": lambda: dy @ w,
+            "bf16 wgrad dy.T @ x": lambda: dy.t() @ x,
+        }
+        if not SMOKE["on"]:
+            cand |= {
+                "fp8 fwd (scaled_mm)": lambda: fp8_gemm(qx, sx, wq.q, wq.s, 128, torch.bfloat16, "scaled_mm"),
+                "fp8 dgrad (scaled_mm)": lambda: fp8_gemm(qdy, sdy, wq.qt, wq.st, 128, torch.bfloat16, "scaled_mm"),
+                "fp8 wgrad (scaled_mm, module)": lambda: fp8_gemm(qdyt, sdyt, qxt, sxt, 1, torch.bfloat16, "scaled_mm"),
+                "fp8 wgrad swapped, GEMM only": lambda: fp8_gemm(qxt, sxt, qdyt, sdyt, 1, torch.bfloat16, "scaled_mm"),
+                "fp8 wgrad swapped + .t().contiguous()": lambda: fp8_gemm(qxt, sxt, qdyt, sdyt, 1, torch.bfloat16, "scaled_mm").t().contiguous(),
+            }
+        configs = [(32, 64, 4, 2)] if SMOKE["on"] else [(64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3), (64, 256, 4, 4)]
+        for c in configs:
+            cand[f"fp8 wgrad triton {c}"] = lambda c=c: fp8_gemm_triton(qdyt, sdyt, qxt, sxt, 1, torch.bfloat16, c)
+        flops = 2 * m * n * k
+        for cname, fn in cand.items():
+            try:
+                ms = timeit(fn)
+                out = fn()
+                err = ""
+                if "wgrad" in cname and "fp8" in cname:
+                    got = out.float() if out.shape == ref.shape else out.float().t()
+                    err = f"{float((got - ref).norm() / ref.norm()):.1e}"
+                rows.append([name, cname, f"{ms:.3f}", f"{flops / (ms * 1e-3) / 1e12:.0f}", err])
+            except Exception as exc:
+                rows.append([name, cname, f"{type(exc).__name__}: {str(exc)[:80]}", "", ""])
+        elems = m * n
+        qcand = {f"rows block_m={bm} warps={wp}": (lambda bm=bm, wp=wp: quantize_act_triton(dy, bm, wp)) for bm in (16, 32, 64) for wp in (4, 8)}
+        qcand |= {f"cols block_k={bk} warps={wp}": (lambda bk=bk, wp=wp: quantize_act_t_triton(dy, fused=True, block_k=bk, warps=wp))
+                  for bk in (32, 64, 128) for wp in (4, 8, 16)}
+        base_rows, base_cols = quantize_act_triton(dy), quantize_act_t_triton(dy, fused=True)
+        for qname, fn in qcand.items():
+            try:
+                ms = timeit(fn)
+                got, want = fn(), (base_rows if qname.startswith("rows") else base_cols)
+                same = torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+                qrows.append([name, qname, f"{ms:.3f}", f"{3 * elems / (ms * 1e-3) / 1e12:.2f}", "yes" if same else "NO"])
+            except Exception as exc:
+                qrows.append([name, qname, f"{type(exc).__name__}: {str(exc)[:80]}", "", ""])
+        del x, w, dy, qx, qxt, qdyt, qdy, wq, ref, base_rows, base_cols
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    RESULTS["parts"] = {"gemms": rows, "quant": qrows, "M": m}
+    table(f"backward parts alone, M={m}: GEMMs (wgrad rel. err against the module's wgrad)", ["shape", "GEMM", "ms", "TFLOP/s", "wgrad rel err"], rows)
+    table(f"dy quantisers alone, M={m} (3 B per element moved)", ["shape", "kernel launch", "ms", "TB/s", "same bytes as default"], qrows)
+
+
 # ---------------------------------------------------------------------------------- 3. loss
 def train_loss(recipe_name: str, steps: int) -> list[float]:
     import random
@@ -385,7 +460,7 @@ def main():
         SMOKE["on"], DEV = True, "cpu"
     RESULTS["device"] = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)"
     RESULTS["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    for name, fn in (("logprobs", bench_logprobs), ("fp8", bench_fp8), ("loss", bench_loss), ("bi", bench_bi)):
+    for name, fn in (("logprobs", bench_logprobs), ("fp8", bench_fp8), ("parts", bench_parts), ("loss", bench_loss), ("bi", bench_bi)):
         if name in args.only.split(","):
             t0 = time.perf_counter()
             try:

@@ -61,16 +61,17 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, s_am, s_bn, s
     tl.store(c_ptr + rm[:, None] * s_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def fp8_gemm_triton(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16) -> torch.Tensor:
+def fp8_gemm_triton(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """``config`` (block_m, block_n, warps, stages) overrides the launch (the benchmark sweeps it)."""
     m, k = a_q.shape
     n = b_q.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=a_q.device)
-    bm, bn = (16, 32) if interpreting() else (64, 128)
+    bm, bn, warps, stages = config or ((16, 32, 4, 3) if interpreting() else (64, 128, 4, 3))
     a_s, b_s = a_s.contiguous(), b_s.contiguous()
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _fp8_gemm_kernel[grid](a_q, b_q, a_s, b_s, out, m, n, k, a_q.stride(0), b_q.stride(0), a_s.stride(0), b_s.stride(0),
                            out.stride(0), B_ROWS=b_rows, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, UPCAST=interpreting(),
-                           **({} if interpreting() else dict(num_warps=4, num_stages=3)))
+                           **({} if interpreting() else dict(num_warps=warps, num_stages=stages)))
     return out
 
 

@@ -196,8 +196,9 @@ def _unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def quantize_act_triton(x: torch.Tensor, block_m: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [M, K] -> ``q`` [M, K] e4m3, ``s`` [M, ceil(K/128)] fp32 (M-major storage)."""
+def quantize_act_triton(x: torch.Tensor, block_m: int | None = None, warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] -> ``q`` [M, K] e4m3, ``s`` [M, ceil(K/128)] fp32 (M-major storage). ``block_m`` and
+    ``warps`` shape the launch (the benchmark sweeps them)."""
     x = _unit_stride(x)
     m, k = x.shape
     bm = block_m or 16  # 16 rows x 128 columns over 8 warps: 8 elements a thread, ~52 registers on sm90
@@ -206,16 +207,17 @@ def quantize_act_triton(x: torch.Tensor, block_m: int | None = None) -> tuple[to
     if m and k:
         _act_rows_kernel[(triton.cdiv(m, bm), triton.cdiv(k, BLOCK))](  # tokens on grid x (no 65535 cap)
             x, q, st, m, k, x.stride(0), q.stride(0), st.stride(0),
-            BLOCK_M=bm, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(8))
+            BLOCK_M=bm, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(warps))
     return q, st.t()
 
 
 def quantize_act_t_triton(x: torch.Tensor, both: bool = False, fused: bool | None = None, split: bool | None = None,
-                          sub_m: int = 32, warps: int = 16):
+                          sub_m: int = 32, warps: int = 16, block_k: int = 64):
     """``x`` [M, K] -> ``qt`` [K, Mp] e4m3, ``st`` [K, Mp/128] fp32 (K-major storage), the 1x128 tiles
     of ``pad(x, Mp).T``; with ``both``, ``(qt, st, q, s)`` adding ``q`` [M, K], ``s`` [M, ceil(K/128)]
     as :func:`quantize_act_triton` gives them (fused: from the same read of ``x``, unless
-    :func:`split_both`). ``sub_m`` and ``warps`` shape the one-read kernel (the benchmark sweeps them)."""
+    :func:`split_both`). ``sub_m`` and ``warps`` shape the one-read kernel, ``block_k`` and ``warps`` the
+    column kernel (the benchmark sweeps them)."""
     if not fused_transpose(fused):
         qt, st = quantize_act_triton(_padded_t(x))  # the row kernel on a contiguous copy of pad(x).T
         return (qt, st, *quantize_act_triton(x)) if both else (qt, st)
@@ -228,10 +230,10 @@ def quantize_act_t_triton(x: torch.Tensor, both: bool = False, fused: bool | Non
     stt = torch.empty(mp // BLOCK, k, dtype=torch.float32, device=x.device)
     if not both:
         if mp and k:
-            bk = 64  # [128, 64] over 16 warps: 16 elements a thread, ~60 registers on sm90
+            bk = block_k  # [128, 64] over 16 warps: 16 elements a thread, ~60 registers on sm90
             _act_cols_kernel[(mp // BLOCK, triton.cdiv(k, bk))](
                 x, qt.view(torch.int8), stt, m, k, x.stride(0), qt.stride(0), stt.stride(0),
-                BLOCK_K=bk, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(16))
+                BLOCK_K=bk, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(warps))
         return qt, stt.t()
     q = torch.empty(m, k, dtype=E4M3, device=x.device)
     sr = torch.empty(triton.cdiv(k, BLOCK), m, dtype=torch.float32, device=x.device)
