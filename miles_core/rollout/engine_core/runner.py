@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles_core.kernels.varlen import causal_varlen
-from miles_core.models.decoder import MLP, Attention, RMSNorm
+from miles_core.models.decoder import Attention, RMSNorm
 from miles_core.rollout.engine_core import triton_decode, triton_fused, triton_gemm
 
 from miles_core.rollout.engine_core.attention import AttnBatch, decode_attention_torch, gather_slots, paged_attention
@@ -250,27 +250,15 @@ class ModelRunner:
                     routed.append(torch.full((n, self.moe_k), -1, dtype=torch.long, device=x.device))
                 gu = self.gate_up[i] if self.gate_up else None
                 if gu is not None:
-                    out = self._mlp_out(mlp, F.linear(h, gu))
+                    gate, up = F.linear(h, gu).chunk(2, -1)
+                    out = self._out_linear(mlp.down_proj, mlp.act(gate, up))
                 else:
                     out = mlp(h)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
             x, h = triton_fused.add_rmsnorm(x, out, nxt.weight, nxt.eps)
         return h, (torch.stack(routed, 1) if routed else None)
 
-    def _mlp_out(self, mlp: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
-        """down_proj(act(gate, up)) from the fused gate/up output [N, 2I]; with split-K and the
-        decoder's MLP (whose ``act`` is the "swiglu" kernel op, whichever implementation), the split-K
-        kernel applies silu(gate) * up as it loads (one kernel and one [N, I] round trip fewer a layer)."""
-        down = mlp.down_proj
-        if isinstance(mlp, MLP) and self._splitk_ok(down, gate_up.shape[0]):
-            return self._out_linear(down, gate_up, gated=True)
-        gate, up = gate_up.chunk(2, -1)
-        return self._out_linear(down, mlp.act(gate, up))
-
-    def _splitk_ok(self, linear: nn.Module, rows: int) -> bool:
-        return self.splitk and rows <= 64 and type(linear) is nn.Linear and linear.bias is None
-
-    def _out_linear(self, linear: nn.Module, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    def _out_linear(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A projection back to the hidden size whose output only feeds :func:`.triton_fused.add_rmsnorm`.
 
         With ``splitk_gemm``, for at most 64 rows, the split-K kernel's fp32 partials (the add sums
@@ -278,11 +266,11 @@ class ModelRunner:
         6.6 to 4.0 µs; at 256 rows cuBLAS was the faster (benchmarks/decode_parts.py, 2026-12-03).
         Tiles 32 x 64, half the splits :func:`.triton_gemm.choose_split` gives for one wave (the
         fastest there: fewer partials to write and sum)."""
-        if not self._splitk_ok(linear, x.shape[0]):
+        if not (self.splitk and x.shape[0] <= 64 and type(linear) is nn.Linear and linear.bias is None):
             return linear(x)
         w = linear.weight
         split = max(1, triton_gemm.choose_split(w.shape[0], w.shape[1], self.num_sms, 32, 64) // 2)
-        return triton_gemm.splitk_gemm(x, w, split, block_n=32, block_k=64, gated=gated)
+        return triton_gemm.splitk_gemm(x, w, split, block_n=32, block_k=64)
 
     @torch.no_grad()
     def prefill(self, input_ids, positions, slots, meta: AttnBatch, logits_index):

@@ -30,12 +30,6 @@ not tf32.
 
 Shapes: ``x`` [M, K] and ``w`` [N, K], same dtype, unit last stride; returns ``partial``
 [SPLIT_K, M, N] fp32, contiguous.
-
-Gated input (``gated=True``, the MLP's down_proj): ``x`` is the gate/up GEMM's output [M, 2K]
-(gate columns first) and the kernel multiplies ``w`` by ``silu(gate) * up`` computed as it loads its
-x tiles, so the SwiGLU needs no kernel or [M, K] intermediate of its own. It rounds as the torch op
-``F.silu(gate) * up`` does in the input dtype (silu rounded to the dtype, then the product), so the
-GEMM sees the same input values up to the last bit of the sigmoid.
 """
 
 from __future__ import annotations
@@ -56,17 +50,10 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _swiglu(gate, up):
-        """``silu(gate) * up`` in the inputs' dtype, rounded as torch's two ops round it."""
-        g = gate.to(tl.float32)
-        act = (g * tl.sigmoid(g)).to(gate.dtype)
-        return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-
-    @triton.jit
     def _splitk_kernel(
         X, W, P, M, N, K, s_xm, s_wn, s_ps, s_pm,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
-        EVEN_K: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr,
+        EVEN_K: tl.constexpr, IEEE: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         s = tl.program_id(1)
@@ -85,14 +72,10 @@ if triton is not None:
             if EVEN_K:  # every split lies inside K
                 a = tl.load(x_ptrs)
                 b = tl.load(w_ptrs)
-                if GATED:
-                    a = _swiglu(a, tl.load(x_ptrs + K))
             else:
                 kmask = offs_k < K - i * BLOCK_K
                 a = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
                 b = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
-                if GATED:
-                    a = _swiglu(a, tl.load(x_ptrs + K, mask=kmask[None, :], other=0.0))
             if IEEE:  # fp32 inputs: full-precision dots (the default would round them to tf32)
                 acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee", out_dtype=tl.float32)
             else:
@@ -113,13 +96,9 @@ def block_m(m: int) -> int:
 
 
 def splitk_gemm(x: torch.Tensor, w: torch.Tensor, split_k: int, block_n: int = 32, block_k: int = 128,
-                num_warps: int = 4, num_stages: int = 4, gated: bool = False) -> torch.Tensor:
-    """x [M, K] (unit last stride), w [N, K] (nn.Linear weight, unit last stride) -> fp32 partials [split_k, M, N];
-    sum(0) == x @ w.T. With ``gated``, x is [M, 2K] (gate, up) and the product is ``(silu(gate) * up) @ w.T``."""
+                num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """x [M, K] (unit last stride), w [N, K] (nn.Linear weight, unit last stride) -> fp32 partials [split_k, M, N]; sum(0) == x @ w.T."""
     m, k = x.shape
-    if gated:
-        assert k % 2 == 0, x.shape
-        k //= 2
     n, k2 = w.shape
     assert k == k2, (x.shape, w.shape)
     assert x.dtype == w.dtype, (x.dtype, w.dtype)
@@ -137,7 +116,7 @@ def splitk_gemm(x: torch.Tensor, w: torch.Tensor, split_k: int, block_n: int = 3
     _splitk_kernel[(_cdiv(n, block_n), split_k, _cdiv(m, bm))](
         x, w, partial, m, n, k, x.stride(0), w.stride(0), partial.stride(0), partial.stride(1),
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_iters,
-        EVEN_K=k % block_k == 0 and kb == k_iters * split_k, IEEE=x.dtype == torch.float32, GATED=gated,
+        EVEN_K=k % block_k == 0 and kb == k_iters * split_k, IEEE=x.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
     return partial
