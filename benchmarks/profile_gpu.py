@@ -95,6 +95,7 @@ def engine(args, dev) -> None:
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, ignore_eos=True)
 
     def run():
+        core.flush_cache()  # each run prefills its prompts (no prefix-cache hits from the run before)
         for p in prompts:
             core.add_request(p, params)
         while core.has_unfinished():

@@ -81,6 +81,7 @@ def bench_engine(core, prompts, new_tokens, dev, temperature=0.0):
     params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, ignore_eos=True)
 
     def run(ps):
+        core.flush_cache()  # the timed run must not find the warm-up's prompts in the prefix cache
         reqs = [core.add_request(p, params)[0] for p in ps]
         while core.has_unfinished():
             core.step()

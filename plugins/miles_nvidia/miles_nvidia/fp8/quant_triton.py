@@ -5,11 +5,11 @@ Same arithmetic as the reference: ``amax = max(max|tile|, 1e-12)``, ``s = amax /
 ``/`` is an approximate division on NVIDIA GPUs), the cast round-to-nearest-even.
 
 * :func:`quantize_act_triton` -- 1x128 tiles along K: ``x`` [M, K] -> ``q`` [M, K], ``s`` [M, K/128].
-  Each program takes a [16, 128] tile (one amax per row), not one row (a program per 1x128
+  Each program takes a [32, 128] tile (one amax per row), not one row (a program per 1x128
   tile made M*K/128 programs of 128 elements, slower than the GEMM it feeds).
 * :func:`quantize_act_t_triton` -- the wgrad operand: 1x128 tiles of ``x.T`` along the token dim, i.e.
   ``q(pad(x).T)`` [K, Mp] and ``s`` [K, Mp/128] with ``Mp = ceil(M/128)*128``. Default (fused):
-  reading ``x`` [M, K] once, each program loads a [128 tokens, 64] tile, takes the amax down each
+  reading ``x`` [M, K] once, each program loads a [128 tokens, 32] tile, takes the amax down each
   column and stores the tile transposed; the zero rows M..Mp are the masked loads. ``both=True`` also
   returns the 1x128 row tiles of ``x`` (backward's dy) from the same DRAM read: a program takes the
   column amax of a [128, 128] block, then reloads it piecewise from cache. Unfused
@@ -196,12 +196,15 @@ def _unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def quantize_act_triton(x: torch.Tensor, block_m: int | None = None, warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act_triton(x: torch.Tensor, block_m: int | None = None, warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [M, K] -> ``q`` [M, K] e4m3, ``s`` [M, ceil(K/128)] fp32 (M-major storage). ``block_m`` and
     ``warps`` shape the launch (the benchmark sweeps them)."""
     x = _unit_stride(x)
     m, k = x.shape
-    bm = block_m or 16  # 16 rows x 128 columns over 8 warps: 8 elements a thread, ~52 registers on sm90
+    # 32 rows x 128 columns over 4 warps: the fastest or within 5% of it in every 8B shape on the H200
+    # (bench_nvidia.py --only parts, 2026-12-04: 0.35 ms for dy [16384, 24576], 3.4 TB/s; 16 x 8 warps, the
+    # earlier launch, 0.42 ms)
+    bm = block_m or 32
     q = torch.empty(m, k, dtype=E4M3, device=x.device)
     st = torch.empty(triton.cdiv(k, BLOCK), m, dtype=torch.float32, device=x.device)
     if m and k:
@@ -212,7 +215,7 @@ def quantize_act_triton(x: torch.Tensor, block_m: int | None = None, warps: int 
 
 
 def quantize_act_t_triton(x: torch.Tensor, both: bool = False, fused: bool | None = None, split: bool | None = None,
-                          sub_m: int = 32, warps: int = 16, block_k: int = 64):
+                          sub_m: int = 32, warps: int | None = None, block_k: int = 32):
     """``x`` [M, K] -> ``qt`` [K, Mp] e4m3, ``st`` [K, Mp/128] fp32 (K-major storage), the 1x128 tiles
     of ``pad(x, Mp).T``; with ``both``, ``(qt, st, q, s)`` adding ``q`` [M, K], ``s`` [M, ceil(K/128)]
     as :func:`quantize_act_triton` gives them (fused: from the same read of ``x``, unless
@@ -230,17 +233,19 @@ def quantize_act_t_triton(x: torch.Tensor, both: bool = False, fused: bool | Non
     stt = torch.empty(mp // BLOCK, k, dtype=torch.float32, device=x.device)
     if not both:
         if mp and k:
-            bk = block_k  # [128, 64] over 16 warps: 16 elements a thread, ~60 registers on sm90
-            _act_cols_kernel[(mp // BLOCK, triton.cdiv(k, bk))](
+            # [128 tokens, 32] over 4 warps: the fastest in every 8B shape on the H200 (bench_nvidia.py --only
+            # parts, 2026-12-04: 0.49 ms for dy [16384, 24576], 2.5 TB/s; [128, 64] over 16 warps, the earlier
+            # launch, 0.88 ms)
+            _act_cols_kernel[(mp // BLOCK, triton.cdiv(k, block_k))](
                 x, qt.view(torch.int8), stt, m, k, x.stride(0), qt.stride(0), stt.stride(0),
-                BLOCK_K=bk, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(warps))
+                BLOCK_K=block_k, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(warps or 4))
         return qt, stt.t()
     q = torch.empty(m, k, dtype=E4M3, device=x.device)
     sr = torch.empty(triton.cdiv(k, BLOCK), m, dtype=torch.float32, device=x.device)
     if mp and k:
         _act_both_kernel[(mp // BLOCK, triton.cdiv(k, BLOCK))](
             x, q, sr, qt.view(torch.int8), stt, m, k, x.stride(0), q.stride(0), sr.stride(0), qt.stride(0), stt.stride(0),
-            SUB_M=sub_m, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(warps))  # 32, 16: ~99 registers on sm90
+            SUB_M=sub_m, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(warps or 16))  # 32, 16: ~99 registers on sm90
     return qt, stt.t(), q, sr.t()
 
 
