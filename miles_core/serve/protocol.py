@@ -151,22 +151,26 @@ def finish_reason(req: Request) -> dict | None:
     return {"type": "abort", "message": req.matched_stop or "aborted"}
 
 
-def response(req: Request, text: str, return_logprob: bool, weight_version: int, latency: float) -> dict:
+def response(req: Request, text: str, return_logprob: bool, weight_version: int, latency: float, partial: int | None = None) -> dict:
+    """``req``'s answer; ``partial``: an intermediate stream event covering its first ``partial`` output
+    tokens, unfinished, whatever the engine thread has appended to ``req`` since (it runs on)."""
+    n = len(req.output_ids) if partial is None else partial
+    ids = req.output_ids[:n]
     meta: dict[str, Any] = {
         "id": req.request_id,
-        "finish_reason": finish_reason(req),
+        "finish_reason": finish_reason(req) if partial is None else None,
         "prompt_tokens": len(req.prompt_ids),
-        "completion_tokens": len(req.output_ids),
+        "completion_tokens": len(ids),
         "cached_tokens": req.num_cached,
         "weight_version": str(weight_version),
         "e2e_latency": latency,
     }
     if return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs[:n], ids)]
         if req.params.top_logprobs:
-            meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in row] for row in req.top_logprobs]
-    if req.routed_experts:
+            meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in row] for row in req.top_logprobs[:n]]
+    if req.routed_experts and partial is None:
         import torch
 
         meta["routed_experts"] = torch.cat(req.routed_experts).tolist()
-    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+    return {"text": text, "output_ids": list(ids), "meta_info": meta}

@@ -59,8 +59,9 @@ class MilesServer:
         self.engine.shutdown()
 
     # ------------------------------------------------------------------ generation
-    def text_of(self, req: Request) -> str:
-        text = self.tokenizer.decode([t for t in req.output_ids if t not in req.stop_ids])
+    def text_of(self, req: Request, upto: int | None = None) -> str:
+        ids = req.output_ids if upto is None else req.output_ids[:upto]
+        text = self.tokenizer.decode([t for t in ids if t not in req.stop_ids])
         return trim_stop(text, req.params.stop) if req.params.stop else text
 
     def submit(self, items: list[GenerateItem]) -> list[tuple[GenerateItem, list[Request], queue.Queue]]:
@@ -181,10 +182,14 @@ def _make_handler(server: MilesServer):
                 self._start_stream()
                 try:
                     left = len(reqs)
-                    while left:
+                    emitted: dict[str, int] = {}  # output tokens per request so far, from the outputs themselves:
+                    while left:  # the engine thread may be steps ahead of this one (and done) by the time an event is written
                         out = sink.get()
                         left -= out.finished
-                        self._event(response(out.request, server.text_of(out.request), _it.return_logprob, version(), time.perf_counter() - t0))
+                        req, n = out.request, emitted.get(out.request_id, 0) + len(out.new_ids)
+                        emitted[out.request_id] = n
+                        part = None if out.finished else n
+                        self._event(response(req, server.text_of(req, part), _it.return_logprob, version(), time.perf_counter() - t0, part))
                     self._event(b"[DONE]")
                 except (BrokenPipeError, ConnectionResetError):  # the client went away: stop its requests
                     for r in reqs:

