@@ -16,6 +16,7 @@
 #   bash benchmarks/gpu_session.sh final8     # rollout GPU tests, FP8 tests; rollout bench (default; decode_steps 32); FP8 tables and 200-step loss
 #   bash benchmarks/gpu_session.sh s9a      # rollout GPU tests, rollout bench, engine profile at 64; the FP8 backward's parts alone (bench_nvidia --only parts)
 #   bash benchmarks/gpu_session.sh s9b      # rollout + FP8 GPU tests; rollout bench (prefix cache flushed), decode_steps 32; engine profiles at 64 and 1; FP8 tables and parts
+#   bash benchmarks/gpu_session.sh s9c      # FP8 GPU tests incl. MILES_FP8_WGRAD=blocks; FP8 tables and 200-step loss in that mode; rollout bench again
 #   bash benchmarks/gpu_session.sh fp8check   # the FP8 quantiser / module-gradient / path tests under the default (fused activation) kernels
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
 # Logs and JSON go to $OUT (the device tool brings them back).
@@ -125,6 +126,10 @@ for part in "$@"; do
         timeout 60 python3 benchmarks/profile_gpu.py engine --batch $b --new-tokens 256 2>&1 | tee "$OUT/profile_engine$b.log" | grep -A14 -E "^engine:|kernel kind"
       done
       OUT=$OUT/fp8 timeout 200 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8,parts 2>&1 | tee "$OUT/fp8_bench.log" | grep -A13 -E "forward\+backward|GEMMs \(" | head -60 ;;
+    s9c)
+      timeout 120 python3 -m pytest -q -rf --tb=short plugins/miles_nvidia/tests/test_nv_fp8.py -k "bitwise or module_grads or gpu_paths or blocks" 2>&1 | tee "$OUT/fp8_tests.log" | tail -3
+      MILES_FP8_WGRAD=blocks OUT=$OUT/blocks timeout 200 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8,loss 2>&1 | tee "$OUT/fp8_blocks_bench.log" | grep -A11 -E "forward\+backward|200|loss" | head -40
+      OUT=$OUT/rb timeout 150 python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench.log" | tail -6 ;;
     fp8check)
       python3 -m pytest -q -rf --tb=short plugins/miles_nvidia/tests/test_nv_fp8.py -k "gpu_quantisers_bitwise or module_grads or gpu_paths" 2>&1 \
         | tee "$OUT/fp8check_tests.log" | tail -4 ;;

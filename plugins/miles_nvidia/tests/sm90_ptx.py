@@ -17,8 +17,11 @@ from miles_nvidia.fp8 import quant_triton as qt
 
 TYPES = {"x": "*bf16", "w": "*bf16", "q": "*fp8e4nv", "qt": "*i8", "s": "*fp32", "st": "*fp32"}
 CASES = {  # the launch configurations of quant_triton.py
-    "rows": (qt._act_rows_kernel, "x_ptr q_ptr s_ptr M K s_xm s_qm s_sk", dict(BLOCK_M=16, TILE=128, QMAX=448.0, EMULATE_RNE=False), 8),
-    "cols": (qt._act_cols_kernel, "x_ptr qt_ptr st_ptr M K s_xm s_qtk s_stm", dict(BLOCK_K=64, TILE=128, QMAX=448.0, EMULATE_RNE=False), 16),
+    "rows": (qt._act_rows_kernel, "x_ptr q_ptr s_ptr M K s_xm s_qm s_sk", dict(BLOCK_M=32, TILE=128, QMAX=448.0, EMULATE_RNE=False), 4),
+    "cols": (qt._act_cols_kernel, "x_ptr qt_ptr st_ptr M K s_xm s_qtk s_stm s_stk",
+             dict(BLOCK_K=32, TILE=128, QMAX=448.0, EMULATE_RNE=False, GIVEN_SCALES=False), 4),
+    "cols_blocks": (qt._act_cols_kernel, "x_ptr qt_ptr st_ptr M K s_xm s_qtk s_stm s_stk",
+                    dict(BLOCK_K=32, TILE=128, QMAX=448.0, EMULATE_RNE=False, GIVEN_SCALES=True), 4),
     "both": (qt._act_both_kernel, "x_ptr q_ptr s_ptr qt_ptr st_ptr M K s_xm s_qm s_sk s_qtk s_stm",
              dict(SUB_M=32, TILE=128, QMAX=448.0, EMULATE_RNE=False), 16),
     "weight": (qt._weight_kernel, "w_ptr q_ptr qt_ptr s_ptr N K s_wn s_qn s_qtk s_sn", dict(TILE=128, QMAX=448.0, TRANSPOSED=False, EMULATE_RNE=False), 8),

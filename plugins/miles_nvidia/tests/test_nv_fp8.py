@@ -180,6 +180,16 @@ def test_act_quantisers_bitwise_equal_torch(m, k, device):
             qt2, st2, q2, s2 = quantize_act_t_triton(x, both=True, fused=fused, split=split, sub_m=sub_m)
             assert torch.equal(_bits(qt2), _bits(rqt)) and torch.equal(st2, rst) and st2.t().is_contiguous()
             assert torch.equal(_bits(q2), _bits(rq)) and torch.equal(s2, rs) and s2.t().is_contiguous()
+    # MILES_FP8_WGRAD=blocks: x.T in 128x128 blocks (scales from the row tiles'), tokens padded to 512
+    from miles_nvidia.fp8.quant_triton import quantize_act_t_blocks_triton
+
+    mb = -(-m // 512) * 512
+    rqb, rsb = quantize_blockwise(torch.nn.functional.pad(x, (0, 0, 0, mb - m)).t(), 128)
+    qb, sb = quantize_act_t_blocks_triton(x, s, 512)
+    assert qb.shape == (k, mb) and sb.shape == (-(-k // 128), mb // 128)
+    assert torch.equal(_bits(qb), _bits(rqb)) and torch.equal(sb, rsb)
+    qt3, st3 = quantize_act_t_triton(x, pad=512)  # the 1x128 tiles with the same padding (dy.T in that mode)
+    assert torch.equal(_bits(qt3), _bits(quantize_blockwise(torch.nn.functional.pad(x, (0, 0, 0, mb - m)).t(), 1)[0]))
 
 
 def test_weight_quantiser_bitwise_and_transposed(device):
@@ -249,6 +259,12 @@ def test_gpu_quantisers_bitwise_full_shapes(m, k):
     rqw, rsw = quantize_blockwise(w, 128)
     qw, sw, qwt = quantize_weight(w, transposed=True)
     assert torch.equal(_bits(qw), _bits(rqw)) and torch.equal(sw, rsw) and torch.equal(_bits(qwt), _bits(rqw.t().contiguous()))
+    from miles_nvidia.fp8.quant import quantize_act_t_blocks
+
+    mb = -(-m // 512) * 512
+    rqb, rsb = quantize_blockwise(torch.nn.functional.pad(x, (0, 0, 0, mb - m)).t(), 128)
+    qb, sb = quantize_act_t_blocks(x, s)
+    assert torch.equal(_bits(qb), _bits(rqb)) and torch.equal(sb, rsb)
 
 
 @pytest.mark.gpu
@@ -301,10 +317,36 @@ def test_fp8_linear_module_grads_match_bf16():
         assert c > 0.99, c
 
 
+def test_fp8_linear_wgrad_blocks_mode(monkeypatch):
+    """MILES_FP8_WGRAD=blocks: backward keeps q(x.T) in 128x128 blocks (tokens padded to 512), dW is
+    exactly the 1x128 x 128x128 GEMM of q(dy.T) and those blocks, dx is unchanged, and the grads stay
+    close to bf16's."""
+    from miles_nvidia.fp8.quant import quantize_act_t, quantize_act_t_blocks
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(150, 256, generator=g, dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(384, 256, generator=g) * 0.05).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(150, 384, generator=g, dtype=torch.bfloat16)
+    gx_tiles, _ = torch.autograd.grad(fp8_linear(x, w, backend="emulated"), (x, w), dy)
+    monkeypatch.setenv("MILES_FP8_WGRAD", "blocks")
+    y = fp8_linear(x, w, backend="emulated")
+    assert [t.shape for t in y.grad_fn.saved_tensors] == [(256, 512), (2, 4)]  # [K, Mp], [K/128, Mp/128]
+    gx, gw = torch.autograd.grad(y, (x, w), dy)
+    qdyt, sdyt = quantize_act_t(dy, pad=512)
+    qxb, sxb = quantize_act_t_blocks(x.detach())
+    assert torch.equal(gw, fp8_gemm(qdyt, sdyt, qxb, sxb, 128, torch.bfloat16, "emulated"))
+    assert torch.equal(gx, gx_tiles)
+    for c in _fp8_vs_bf16_grads(132, 384, 256, "cpu", "emulated"):
+        assert c > 0.99, c
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "triton"])
-def test_gpu_fp8_linear_module_grads_match_bf16(backend):
-    """Qwen3-8B qkv shape with a ragged token count, through the Triton quantisers on the GPU."""
+@pytest.mark.parametrize("wgrad", ["tiles", "blocks"])
+def test_gpu_fp8_linear_module_grads_match_bf16(backend, wgrad, monkeypatch):
+    """Qwen3-8B qkv shape with a ragged token count, through the Triton quantisers on the GPU, in both
+    wgrad operand layouts."""
+    monkeypatch.setenv("MILES_FP8_WGRAD", wgrad)
     for c in _fp8_vs_bf16_grads(4095, 6144, 4096, "cuda", backend):
         assert c > 0.99, c
 
@@ -384,7 +426,7 @@ def test_quantisers_compile_for_sm90_with_exact_division_and_rne_cast():
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout)
-    assert len(report) == 5
+    assert len(report) == len(("rows", "cols", "cols_blocks", "both", "weight", "weight_t"))
     for name, r in report.items():
         assert r["div_rn"] and not r["div_approx"] and r["cvt_rne_e4m3"], (name, r)
         assert r["spill_bytes"] == 0, (name, r)

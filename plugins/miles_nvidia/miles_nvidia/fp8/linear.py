@@ -10,6 +10,16 @@ is what backward keeps, in FP8: 1 byte per element instead of a bf16 copy of x),
 one read (backward; fused transposing kernels), and the weight once per optimizer step (below;
 its transposed copy q(W).T is a torch copy, see :mod:`miles_nvidia.fp8.quant_triton` for why).
 
+Weight-gradient operand (``MILES_FP8_WGRAD``): ``tiles`` (default) quantises x.T in 1x128 tiles
+along the tokens, as DeepSeek-V3 does, and the wgrad GEMM is ``torch._scaled_mm``'s 1x128 x 1x128
+form; ``blocks`` quantises x.T in 128x128 blocks (scales from the forward's row tiles, token dim
+padded to a multiple of 512 for cuBLAS) so that the wgrad runs the 1x128 x 128x128 form of the
+forward and dgrad GEMMs. On the H200 (2026-12-04, ``bench_nvidia.py --only parts``, M = 16384) the
+8B gate_up wgrad took 3.91 ms as tiles and 2.54 ms as blocks, at the same error against the fp32
+product on random data (3.6e-2 vs 3.7e-2); a block shares one scale over 128 tokens x 128 channels,
+so values much smaller than the block's largest lose relative precision (e4m3 keeps its 3 mantissa
+bits down to about 3.5e-5 of the block's largest value, then subnormals). dy stays in 1x128 tiles.
+
 Weight cache (departure from DeepSeek-V3's "quantise on the fly" and from this module's first
 version): :class:`Fp8Linear` keeps, on the module instance, one quantisation of its weight --
 ``q(W)``, its block scales and ``q(W).T`` for the dgrad GEMM (128x128 block scales do not change under
@@ -31,6 +41,7 @@ The LM head stays in bf16 (the logprob op reads it directly).
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +49,13 @@ from torch import nn
 
 from miles_core.precision.base import PrecisionRecipe
 from miles_nvidia.fp8.gemm import fp8_gemm
-from miles_nvidia.fp8.quant import BLOCK, quantize_act, quantize_act_t, quantize_weight
+from miles_nvidia.fp8.quant import BLOCK, quantize_act, quantize_act_t, quantize_act_t_blocks, quantize_weight
+
+
+def wgrad_blocks() -> bool:
+    """``MILES_FP8_WGRAD=blocks``: the weight-gradient GEMM takes x.T in 128x128 blocks (the operand
+    layout of the forward's weight), not 1x128 tiles along the tokens. See the module docstring."""
+    return os.environ.get("MILES_FP8_WGRAD", "tiles") == "blocks"
 
 
 @dataclass(frozen=True)
@@ -94,11 +111,15 @@ class _Fp8LinearFn(torch.autograd.Function):
         wq = wq if wq is not None else Fp8Weight.of(weight, transposed=ctx.needs_input_grad[0])  # q(W).T: dgrad only
         # keep_xt: a weight gradient will be asked for (grad mode on, weight requires grad; inside forward grad
         # mode is always off and needs_input_grad is set under no_grad too, so the caller decides)
-        if keep_xt:  # x's wgrad tiles (x.T along tokens) from the same read, kept in FP8 for backward
+        # wgrad operand layout: x.T in 1x128 tiles along tokens (DeepSeek-V3's), or in 128x128 blocks
+        ctx.wgrad_rows, ctx.pad = (BLOCK, 4 * BLOCK) if wgrad_blocks() else (1, BLOCK)
+        if keep_xt and ctx.wgrad_rows == 1:  # x's wgrad tiles (x.T along tokens), kept in FP8 for backward
             qxt, sxt, qx, sx = quantize_act_t(x2, both=True)
             ctx.save_for_backward(qxt, sxt)
         else:
             qx, sx = quantize_act(x2)
+            if keep_xt:  # the blocks' scales from the row tiles' (one more read of x, no amax pass)
+                ctx.save_for_backward(*quantize_act_t_blocks(x2, sx, ctx.pad))
         y = fp8_gemm(qx, sx, wq.q, wq.s, BLOCK, torch.bfloat16, backend)
         ctx.wq, ctx.backend, ctx.shape, ctx.xdtype, ctx.wdtype = wq, backend, shape, x.dtype, weight.dtype
         return y.view(*shape[:-1], weight.shape[0])
@@ -108,14 +129,14 @@ class _Fp8LinearFn(torch.autograd.Function):
         wq, backend = ctx.wq, ctx.backend
         dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16)
         # one read of dy: its 1x128 row tiles (dgrad) and the tiles of dy.T along tokens (wgrad)
-        qdyt, sdyt, qdy, sdy = quantize_act_t(dy2, both=True)
+        qdyt, sdyt, qdy, sdy = quantize_act_t(dy2, both=True, pad=ctx.pad)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = fp8_gemm(qdy, sdy, wq.qt, wq.st, BLOCK, torch.bfloat16, backend).view(ctx.shape).to(ctx.xdtype)
         if ctx.needs_input_grad[1]:  # dW = dy.T @ x, reduced over tokens (zero-padded to whole tiles)
             qxt, sxt = ctx.saved_tensors
             out = ctx.wdtype if ctx.wdtype in (torch.bfloat16, torch.float32) else torch.float32
-            dw = fp8_gemm(qdyt, sdyt, qxt, sxt, 1, out, backend).to(ctx.wdtype)
+            dw = fp8_gemm(qdyt, sdyt, qxt, sxt, ctx.wgrad_rows, out, backend).to(ctx.wdtype)
         return dx, dw, None, None, None
 
 

@@ -62,16 +62,27 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_blockwise(x, 1)
 
 
-def quantize_act_t(x: torch.Tensor, both: bool = False):
+def quantize_act_t(x: torch.Tensor, both: bool = False, pad: int = BLOCK):
     """1x128 tiles of ``x.T`` along the token dim, for the weight-gradient GEMM: ``x`` [M, K] ->
-    ``qt`` [K, Mp], ``st`` [K, Mp/128] with ``Mp = ceil(M/128)*128`` (zero rows pad the tokens).
-    With ``both``, returns ``(qt, st, q, s)``, adding :func:`quantize_act` of ``x``."""
+    ``qt`` [K, Mp], ``st`` [K, Mp/128] with ``Mp`` = M rounded up to a multiple of ``pad`` (zero rows pad
+    the tokens). With ``both``, returns ``(qt, st, q, s)``, adding :func:`quantize_act` of ``x``."""
     if x.is_cuda:
         from miles_nvidia.fp8.quant_triton import quantize_act_t_triton
 
-        return quantize_act_t_triton(x, both)
-    qt, st = quantize_blockwise(_pad_rows(x).t(), 1)
+        return quantize_act_t_triton(x, both, pad=pad)
+    qt, st = quantize_blockwise(_pad_rows(x, pad).t(), 1)
     return (qt, st, *quantize_blockwise(x, 1)) if both else (qt, st)
+
+
+def quantize_act_t_blocks(x: torch.Tensor, row_scales: torch.Tensor | None = None, pad: int = 4 * BLOCK):
+    """``x.T`` in 128x128 blocks, the wgrad operand of the ``MILES_FP8_WGRAD=blocks`` mode
+    (:mod:`miles_nvidia.fp8.linear`): ``x`` [M, K] -> ``qt`` [K, Mp], ``s`` [ceil(K/128), Mp/128], ``Mp`` a
+    multiple of ``pad``. On CUDA from x's row-tile scales ``row_scales`` (see the Triton function)."""
+    if x.is_cuda:
+        from miles_nvidia.fp8.quant_triton import quantize_act_t_blocks_triton
+
+        return quantize_act_t_blocks_triton(x, row_scales if row_scales is not None else quantize_act(x)[1], pad)
+    return quantize_blockwise(_pad_rows(x, pad).t(), BLOCK)
 
 
 def quantize_weight(w: torch.Tensor, transposed: bool = False):

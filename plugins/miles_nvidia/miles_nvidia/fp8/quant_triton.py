@@ -104,16 +104,23 @@ def _act_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm, s_sk,
 
 
 @triton.jit
-def _act_cols_kernel(x_ptr, qt_ptr, st_ptr, M, K, s_xm, s_qtk, s_stm,
-                     BLOCK_K: tl.constexpr, TILE: tl.constexpr, QMAX: tl.constexpr, EMULATE_RNE: tl.constexpr):
+def _act_cols_kernel(x_ptr, qt_ptr, st_ptr, M, K, s_xm, s_qtk, s_stm, s_stk,
+                     BLOCK_K: tl.constexpr, TILE: tl.constexpr, QMAX: tl.constexpr, EMULATE_RNE: tl.constexpr,
+                     GIVEN_SCALES: tl.constexpr):
+    """``GIVEN_SCALES``: quantise with the 128x128 block scales at ``st_ptr`` ([K/128, Mp/128], strides
+    ``s_stk``, ``s_stm``) instead of each column's amax (which it then does not store)."""
     rm = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)  # tokens; rows M..Mp load as zeros
     rk = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     x = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale = _scale(tl.max(tl.abs(x), 0)[None, :], QMAX)  # one per column: [1, BLOCK_K]
+    if GIVEN_SCALES:
+        scale = tl.load(st_ptr + (rk // TILE)[None, :] * s_stk + tl.program_id(0) * s_stm, mask=rk[None, :] < K, other=1.0)
+    else:
+        scale = _scale(tl.max(tl.abs(x), 0)[None, :], QMAX)  # one per column: [1, BLOCK_K]
     qt = tl.trans(_bytes(_to_e4m3(_quant(x, scale, QMAX), EMULATE_RNE)))  # [BLOCK_K, TILE]
     tl.store(qt_ptr + rk[:, None] * s_qtk + rm[None, :], qt, mask=rk[:, None] < K)
-    tl.store(st_ptr + tl.program_id(0) * s_stm + rk[None, :], scale, mask=rk[None, :] < K)
+    if not GIVEN_SCALES:
+        tl.store(st_ptr + tl.program_id(0) * s_stm + rk[None, :], scale, mask=rk[None, :] < K)
 
 
 @triton.jit
@@ -181,10 +188,10 @@ def split_both(split: bool | None = None) -> bool:
     return split if split is not None else os.environ.get("MILES_FP8_BOTH", "split") != "fused"
 
 
-def _padded_t(x: torch.Tensor) -> torch.Tensor:
+def _padded_t(x: torch.Tensor, pad: int = BLOCK) -> torch.Tensor:
     """``pad(x, Mp).T`` contiguous [K, Mp] in one transposing copy (zero columns M..Mp)."""
     m, k = x.shape
-    mp = triton.cdiv(m, BLOCK) * BLOCK
+    mp = triton.cdiv(m, pad) * pad
     xt = x.new_empty(k, mp)
     xt[:, :m].copy_(x.t())
     xt[:, m:].zero_()
@@ -215,20 +222,21 @@ def quantize_act_triton(x: torch.Tensor, block_m: int | None = None, warps: int 
 
 
 def quantize_act_t_triton(x: torch.Tensor, both: bool = False, fused: bool | None = None, split: bool | None = None,
-                          sub_m: int = 32, warps: int | None = None, block_k: int = 32):
+                          sub_m: int = 32, warps: int | None = None, block_k: int = 32, pad: int = BLOCK):
     """``x`` [M, K] -> ``qt`` [K, Mp] e4m3, ``st`` [K, Mp/128] fp32 (K-major storage), the 1x128 tiles
     of ``pad(x, Mp).T``; with ``both``, ``(qt, st, q, s)`` adding ``q`` [M, K], ``s`` [M, ceil(K/128)]
     as :func:`quantize_act_triton` gives them (fused: from the same read of ``x``, unless
     :func:`split_both`). ``sub_m`` and ``warps`` shape the one-read kernel, ``block_k`` and ``warps`` the
-    column kernel (the benchmark sweeps them)."""
+    column kernel (the benchmark sweeps them). ``pad``: ``Mp`` a multiple of it (a multiple of 128)."""
+    assert pad % BLOCK == 0, pad
     if not fused_transpose(fused):
-        qt, st = quantize_act_triton(_padded_t(x))  # the row kernel on a contiguous copy of pad(x).T
+        qt, st = quantize_act_triton(_padded_t(x, pad))  # the row kernel on a contiguous copy of pad(x).T
         return (qt, st, *quantize_act_triton(x)) if both else (qt, st)
     if both and split_both(split):
-        return (*quantize_act_t_triton(x, fused=True), *quantize_act_triton(x))
+        return (*quantize_act_t_triton(x, fused=True, pad=pad), *quantize_act_triton(x))
     x = _unit_stride(x)
     m, k = x.shape
-    mp = triton.cdiv(m, BLOCK) * BLOCK
+    mp = triton.cdiv(m, pad) * pad
     qt = torch.empty(k, mp, dtype=E4M3, device=x.device)
     stt = torch.empty(mp // BLOCK, k, dtype=torch.float32, device=x.device)
     if not both:
@@ -237,8 +245,8 @@ def quantize_act_t_triton(x: torch.Tensor, both: bool = False, fused: bool | Non
             # parts, 2026-12-04: 0.49 ms for dy [16384, 24576], 2.5 TB/s; [128, 64] over 16 warps, the earlier
             # launch, 0.88 ms)
             _act_cols_kernel[(mp // BLOCK, triton.cdiv(k, block_k))](
-                x, qt.view(torch.int8), stt, m, k, x.stride(0), qt.stride(0), stt.stride(0),
-                BLOCK_K=block_k, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(warps or 4))
+                x, qt.view(torch.int8), stt, m, k, x.stride(0), qt.stride(0), stt.stride(0), stt.stride(1),
+                BLOCK_K=block_k, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), GIVEN_SCALES=False, **_warps(warps or 4))
         return qt, stt.t()
     q = torch.empty(m, k, dtype=E4M3, device=x.device)
     sr = torch.empty(triton.cdiv(k, BLOCK), m, dtype=torch.float32, device=x.device)
@@ -247,6 +255,29 @@ def quantize_act_t_triton(x: torch.Tensor, both: bool = False, fused: bool | Non
             x, q, sr, qt.view(torch.int8), stt, m, k, x.stride(0), q.stride(0), sr.stride(0), qt.stride(0), stt.stride(0),
             SUB_M=sub_m, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(warps or 16))  # 32, 16: ~99 registers on sm90
     return qt, stt.t(), q, sr.t()
+
+
+def quantize_act_t_blocks_triton(x: torch.Tensor, row_scales: torch.Tensor, pad: int = 4 * BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pad(x, Mp).T`` [K, Mp] in 128x128 blocks, ``Mp`` a multiple of ``pad``: ``qt`` [K, Mp] e4m3 and
+    ``s`` [ceil(K/128), Mp/128] fp32, bitwise :func:`quantize_blockwise` of ``pad(x).T`` with 128-row blocks.
+
+    ``row_scales`` [M, ceil(K/128)] are x's 1x128 row-tile scales (the forward's :func:`quantize_act_triton`):
+    a block's scale is the largest of its 128 tokens' tile scales, exactly (``max(a) / 448 == max(a / 448)``
+    under a monotonic rounding), so x is read once more, by the column kernel quantising with those scales;
+    the zero tokens M..Mp count as all-zero tiles."""
+    x = _unit_stride(x)
+    m, k = x.shape
+    mp = triton.cdiv(m, pad) * pad
+    kb = triton.cdiv(k, BLOCK)
+    zero_tile = torch.full((), 1e-12, dtype=torch.float32, device=x.device) / torch.full((), E4M3_MAX, device=x.device)
+    sr = torch.nn.functional.pad(row_scales.t(), (0, mp - m), value=float(zero_tile))  # [KB, Mp]
+    s = sr.view(kb, mp // BLOCK, BLOCK).amax(-1).contiguous()  # [KB, Mp/128]
+    qt = torch.empty(k, mp, dtype=E4M3, device=x.device)
+    if mp and k:
+        _act_cols_kernel[(mp // BLOCK, triton.cdiv(k, 32))](
+            x, qt.view(torch.int8), s, m, k, x.stride(0), qt.stride(0), s.stride(1), s.stride(0),
+            BLOCK_K=32, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), GIVEN_SCALES=True, **_warps(4))
+    return qt, s
 
 
 def quantize_weight_triton(w: torch.Tensor, transposed: bool = False, fused: bool | None = None):
