@@ -90,14 +90,15 @@ def gemms(batches, hidden=1024, heads=16, kv_heads=8, d=128, inter=3072, vocab=1
         print(f"  batch {b}: {total / 1e3:.3f} ms of GEMM per decode step (28 layers + lm_head)")
 
 
-def splitk(batches, hidden=1024, heads=16, d=128, inter=3072) -> None:
+def splitk(batches, hidden=1024, heads=16, kv_heads=8, d=128, inter=3072, names=("o", "down")) -> None:
     """cuBLAS against triton_gemm's split-K kernel for the GEMMs whose output is only ``hidden`` wide.
     Splits: choose_split's and its half and double; the partials' sum over splits (``partial.sum(0)``,
     which the consumer kernel will fuse with the residual add and the norm) is timed alone. TB/s counts
     the bytes a GEMM must move (weight + x + a bf16 output), the same for both, not the fp32 partials."""
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    shapes = {"o": (hidden, heads * d), "down": (hidden, inter)}
+    every = {"o": (hidden, heads * d), "down": (hidden, inter), "qkv": ((heads + 2 * kv_heads) * d, hidden), "gate_up": (2 * inter, hidden)}
+    shapes = {name: every[name] for name in names}
     print(f"\nsplit-K GEMM (triton_gemm, fp32 partials [split, M, N], {sms} SMs) against cuBLAS F.linear, bf16")
     print(f"{'batch':>5} {'gemm':>5} {'split':>5} {'block_n':>7} {'block_k':>7} {'µs':>8} {'TB/s':>6} {'sum µs':>7} "
           f"{'total':>8} {'TB/s':>6}")
@@ -143,12 +144,18 @@ def main() -> None:
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--attention-batches", default="64", help="batches of the attention sweep")
+    ap.add_argument("--parts", default="gemms,splitk,attention")
+    ap.add_argument("--splitk-shapes", default="o,down", help="of o, down, qkv, gate_up")
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
+    parts = a.parts.split(",")
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    gemms(batches)
-    splitk(batches)
-    attention([int(x) for x in a.attention_batches.split(',')], a.ctx)
+    if "gemms" in parts:
+        gemms(batches)
+    if "splitk" in parts:
+        splitk(batches, names=tuple(a.splitk_shapes.split(",")))
+    if "attention" in parts:
+        attention([int(x) for x in a.attention_batches.split(',')], a.ctx)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@
 #   bash benchmarks/gpu_session.sh s9a      # rollout GPU tests, rollout bench, engine profile at 64; the FP8 backward's parts alone (bench_nvidia --only parts)
 #   bash benchmarks/gpu_session.sh s9b      # rollout + FP8 GPU tests; rollout bench (prefix cache flushed), decode_steps 32; engine profiles at 64 and 1; FP8 tables and parts
 #   bash benchmarks/gpu_session.sh s9c      # FP8 GPU tests incl. MILES_FP8_WGRAD=blocks; FP8 tables and 200-step loss in that mode; rollout bench again
+#   bash benchmarks/gpu_session.sh s9d      # split-K vs cuBLAS for all four decode GEMMs at 64 rows; 200-step FP8 loss, wgrad tiles vs blocks
 #   bash benchmarks/gpu_session.sh fp8check   # the FP8 quantiser / module-gradient / path tests under the default (fused activation) kernels
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
 # Logs and JSON go to $OUT (the device tool brings them back).
@@ -130,6 +131,11 @@ for part in "$@"; do
       timeout 120 python3 -m pytest -q -rf --tb=short plugins/miles_nvidia/tests/test_nv_fp8.py -k "bitwise or module_grads or gpu_paths or blocks" 2>&1 | tee "$OUT/fp8_tests.log" | tail -3
       MILES_FP8_WGRAD=blocks OUT=$OUT/blocks timeout 200 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8,loss 2>&1 | tee "$OUT/fp8_blocks_bench.log" | grep -A11 -E "forward\+backward|200|loss" | head -40
       OUT=$OUT/rb timeout 150 python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench.log" | tail -6 ;;
+    s9d)
+      timeout 200 python3 benchmarks/decode_parts.py --batches 64 --parts splitk --splitk-shapes qkv,gate_up,o,down 2>&1 | tee "$OUT/decode_parts_splitk.log" | grep -E "cuBLAS|best"
+      for mode in tiles blocks; do
+        MILES_FP8_WGRAD=$mode OUT=$OUT/loss_$mode timeout 60 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only loss 2>&1 | tee "$OUT/loss_$mode.log" | grep -A5 "200 steps"
+      done ;;
     fp8check)
       python3 -m pytest -q -rf --tb=short plugins/miles_nvidia/tests/test_nv_fp8.py -k "gpu_quantisers_bitwise or module_grads or gpu_paths" 2>&1 \
         | tee "$OUT/fp8check_tests.log" | tail -4 ;;
