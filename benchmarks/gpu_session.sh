@@ -18,6 +18,7 @@
 #   bash benchmarks/gpu_session.sh s9b      # rollout + FP8 GPU tests; rollout bench (prefix cache flushed), decode_steps 32; engine profiles at 64 and 1; FP8 tables and parts
 #   bash benchmarks/gpu_session.sh s9c      # FP8 GPU tests incl. MILES_FP8_WGRAD=blocks; FP8 tables and 200-step loss in that mode; rollout bench again
 #   bash benchmarks/gpu_session.sh s9d      # split-K vs cuBLAS for all four decode GEMMs at 64 rows; 200-step FP8 loss, wgrad tiles vs blocks
+#   bash benchmarks/gpu_session.sh s9e      # FP8 GEMM GPU tests; the rewritten Triton FP8 GEMM's wgrad sweep; fwd+bwd with its best launch as the wgrad
 #   bash benchmarks/gpu_session.sh fp8check   # the FP8 quantiser / module-gradient / path tests under the default (fused activation) kernels
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
 # Logs and JSON go to $OUT (the device tool brings them back).
@@ -136,6 +137,16 @@ for part in "$@"; do
       for mode in tiles blocks; do
         MILES_FP8_WGRAD=$mode OUT=$OUT/loss_$mode timeout 60 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only loss 2>&1 | tee "$OUT/loss_$mode.log" | grep -A5 "200 steps"
       done ;;
+    s9e)
+      timeout 120 python3 -m pytest -q -rf --tb=short plugins/miles_nvidia/tests/test_nv_fp8.py -k "gpu_paths or module_grads or auto_gemm" 2>&1 | tee "$OUT/fp8_gemm_tests.log" | tail -3
+      OUT=$OUT/parts timeout 200 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only parts 2>&1 | tee "$OUT/fp8_parts.log" | grep -E "wgrad|fwd|dgrad" | head -60
+      best=$(python3 -c "
+import json; rows = json.load(open('$OUT/parts/bench_nvidia.json'))['parts']['gemms']
+t = [(float(r[2]), r[1].split('triton ')[1]) for r in rows if r[0] == '8B gate_up' and 'wgrad triton' in r[1] and r[2][0].isdigit()]
+print(min(t)[1].strip('()').replace(' ', '') if t else '')")
+      echo "best Triton wgrad launch for 8B gate_up: $best"
+      [ -n "$best" ] && MILES_FP8_WGRAD_GEMM=triton:$best OUT=$OUT/tw timeout 120 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8 2>&1 \
+        | tee "$OUT/fp8_triton_wgrad.log" | grep -A11 "forward+backward" ;;
     fp8check)
       python3 -m pytest -q -rf --tb=short plugins/miles_nvidia/tests/test_nv_fp8.py -k "gpu_quantisers_bitwise or module_grads or gpu_paths" 2>&1 \
         | tee "$OUT/fp8check_tests.log" | tail -4 ;;

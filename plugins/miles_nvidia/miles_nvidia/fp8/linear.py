@@ -48,8 +48,21 @@ import torch
 from torch import nn
 
 from miles_core.precision.base import PrecisionRecipe
-from miles_nvidia.fp8.gemm import fp8_gemm
+from miles_nvidia.fp8.gemm import fp8_gemm, fp8_gemm_triton
 from miles_nvidia.fp8.quant import BLOCK, quantize_act, quantize_act_t, quantize_act_t_blocks, quantize_weight
+
+
+def wgrad_gemm() -> tuple[str, tuple[int, int, int, int] | None]:
+    """``MILES_FP8_WGRAD_GEMM``: unset (the module's backend, ``torch._scaled_mm`` on sm90), ``triton``, or
+    ``triton:BM,BN,WARPS,STAGES`` (a launch of :func:`~miles_nvidia.fp8.gemm.fp8_gemm_triton`): which GEMM
+    computes the weight gradient (the benchmark compares them)."""
+    v = os.environ.get("MILES_FP8_WGRAD_GEMM", "")
+    if not v.startswith("triton"):
+        return "", None
+    cfg = tuple(int(c) for c in v.split(":", 1)[1].split(",")) if ":" in v else None
+    if cfg is not None and len(cfg) != 4:
+        raise ValueError(f"MILES_FP8_WGRAD_GEMM={v!r}: give triton:BM,BN,WARPS,STAGES")
+    return "triton", cfg
 
 
 def wgrad_blocks() -> bool:
@@ -136,7 +149,11 @@ class _Fp8LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:  # dW = dy.T @ x, reduced over tokens (zero-padded to whole tiles)
             qxt, sxt = ctx.saved_tensors
             out = ctx.wdtype if ctx.wdtype in (torch.bfloat16, torch.float32) else torch.float32
-            dw = fp8_gemm(qdyt, sdyt, qxt, sxt, ctx.wgrad_rows, out, backend).to(ctx.wdtype)
+            which, cfg = wgrad_gemm()
+            if which == "triton" and qdyt.is_cuda:
+                dw = fp8_gemm_triton(qdyt, sdyt, qxt, sxt, ctx.wgrad_rows, out, cfg).to(ctx.wdtype)
+            else:
+                dw = fp8_gemm(qdyt, sdyt, qxt, sxt, ctx.wgrad_rows, out, backend).to(ctx.wdtype)
         return dx, dw, None, None, None
 
 
