@@ -107,6 +107,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = leave as is)")
     ap.add_argument("--decode-steps", type=int, default=None, help="engine decode steps per host sync")
     ap.add_argument("--no-splitk", action="store_true", help="engine: o_proj/down_proj through cuBLAS at decode, not the split-K Triton GEMM")
+    ap.add_argument("--no-gated", action="store_true", help="engine: gate/up through cuBLAS + a SwiGLU kernel at decode, not the gated Triton GEMM")
     ap.add_argument("--no-fused", action="store_true", help="engine: without the fused Triton layer kernels (triton_fused.py)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default); > 0 samples (top-k/top-p off)")
     args = ap.parse_args()
@@ -132,7 +133,8 @@ def main() -> None:
     plugins = MilesPlugins()
     model.use_kernels(Kernels(plugins, dev.type))  # as BuiltinEngine and miles serve do: the platform's kernels
     cfg = EngineConfig(max_num_seqs=max(batches), max_model_len=a.prompt_len + a.new_tokens + 16, kv_memory_fraction=0.3,
-                       max_batched_tokens=16384, fused_kernels=not args.no_fused, splitk_gemm=not args.no_splitk)
+                       max_batched_tokens=16384, fused_kernels=not args.no_fused, splitk_gemm=not args.no_splitk,
+                       gated_gemm=not args.no_gated)
     if args.decode_steps:
         cfg.decode_steps = args.decode_steps
     elif dev.type == "cpu":

@@ -86,22 +86,22 @@ def test_triton_decode_matches_torch_bf16():
     assert torch.allclose(*first, atol=5e-2)  # the first token comes from the same prefill
 
 
-@pytest.mark.parametrize("qk_norm,splitk", [(True, False), (False, False), (True, True)])
-def test_fused_layer_kernels_match_unfused(qk_norm, splitk):
+@pytest.mark.parametrize("qk_norm,splitk,gated", [(True, False, False), (False, False, False), (True, True, False), (True, True, True)])
+def test_fused_layer_kernels_match_unfused(qk_norm, splitk, gated):
     """The fused layer kernels (triton_fused.py, on by default on a GPU; optionally with the split-K
-    GEMM) against the same engine without them: fp32 greedy tokens identical and logprobs within 1e-4; bf16 as accurate as the
+    GEMM and the gated gate/up GEMM) against the same engine without them: fp32 greedy tokens identical and logprobs within 1e-4; bf16 as accurate as the
     unfused path against an fp32 full forward (its own sequences, see the test above)."""
     import copy
 
     m = model(torch.float32, qk_norm)
-    core, fused = run(m, splitk_gemm=splitk)
-    assert core.runner.fused_kernels and core.runner.use_graphs and core.runner.splitk == splitk
+    core, fused = run(m, splitk_gemm=splitk, gated_gemm=gated)
+    assert core.runner.fused_kernels and core.runner.use_graphs and core.runner.splitk == splitk and core.runner.gated == gated
     _, ref = run(m, fused_kernels=False)
     for a, b in zip(fused, ref):
         assert a.output_ids == b.output_ids
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
     m = model(torch.bfloat16, qk_norm)
-    _, fused = run(m, splitk_gemm=splitk)
+    _, fused = run(m, splitk_gemm=splitk, gated_gemm=gated)
     _, ref = run(m, fused_kernels=False)
     m32 = copy.deepcopy(m).float()
     err_fused, err_ref = _teacher_forced_error(m32, fused), _teacher_forced_error(m32, ref)

@@ -104,27 +104,29 @@ print("OK")
 
 def test_engine_fused_layer_path_matches_unfused():
     """A Qwen3-shaped (qk-norm) and a Llama-shaped tiny model, fp32: greedy tokens equal, logprobs
-    within 1e-4, with and without the split-K GEMM, and the fused kernels did run (two add_rmsnorm
-    per layer and step)."""
+    within 1e-4, with and without the split-K GEMM and the gated gate/up GEMM, and the fused kernels
+    did run (two add_rmsnorm per layer and step; the gated GEMM once per layer and decode step)."""
     interpret(r"""
 from miles_core.models.decoder import Decoder, DecoderConfig
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engine_core import runner as runner_mod
 from miles_core.rollout.engine_core.config import EngineConfig
 from miles_core.rollout.engine_core.core import EngineCore
-calls = {"prologue": 0, "add_norm": 0}
-prologue, add_norm = tf.qkv_prologue, tf.add_rmsnorm
+from miles_core.rollout.engine_core import triton_gemm as tg
+calls = {"prologue": 0, "add_norm": 0, "gated": 0}
+prologue, add_norm, gated = tf.qkv_prologue, tf.add_rmsnorm, tg.gated_gemm
 def count(name, fn):
     def wrapped(*a, **k):
         calls[name] += 1
         return fn(*a, **k)
     return wrapped
 tf.qkv_prologue, tf.add_rmsnorm = count("prologue", prologue), count("add_norm", add_norm)
+tg.gated_gemm = count("gated", gated)
 
-def run(m, fused, splitk=False):
+def run(m, fused, splitk=False, gated=False):
     core = EngineCore(m, EngineConfig(block_size=4, num_blocks=64, max_model_len=64, decode_steps=2, cpu_decode_window=False))
     assert core.runner.fusable() and not core.runner.fused_kernels  # on by default only on a GPU with Triton
-    core.runner.fused_kernels, core.runner.splitk = fused, splitk
+    core.runner.fused_kernels, core.runner.splitk, core.runner.gated = fused, splitk, gated
     prompts = [[3, 5, 7, 9, 11], [2, 4], [13] * 9]
     reqs = [core.add_request(p, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))[0] for p in prompts]
     while core.has_unfinished():
@@ -138,13 +140,16 @@ for qk_norm in (True, False):
         for p in m.parameters():
             p.add_(0.3 * torch.randn_like(p))
     ref = run(m, False)
-    assert calls == {"prologue": 0, "add_norm": 0}
-    for splitk in (False, True):  # o_proj / down_proj as split-K partials summed by add_rmsnorm
-        got = run(m, True, splitk)
+    assert calls == {"prologue": 0, "add_norm": 0, "gated": 0}
+    # o_proj / down_proj as split-K partials summed by add_rmsnorm; gate/up + SwiGLU in one kernel
+    for splitk, gated in ((False, False), (True, False), (True, True)):
+        got = run(m, True, splitk, gated)
         assert calls["add_norm"] == 2 * calls["prologue"] > 0, calls
-        calls.update(prologue=0, add_norm=0)
+        # every layer call of <= 64 rows takes the gated kernel: here all of them, prefills included
+        assert calls["gated"] == (calls["prologue"] if gated else 0), calls
+        calls.update(prologue=0, add_norm=0, gated=0)
         for a, b in zip(got, ref):
-            assert a.output_ids == b.output_ids, (qk_norm, splitk, a.output_ids, b.output_ids)
+            assert a.output_ids == b.output_ids, (qk_norm, splitk, gated, a.output_ids, b.output_ids)
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 print("OK")
 """)

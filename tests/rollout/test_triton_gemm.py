@@ -49,6 +49,22 @@ assert (p.sum(0) - x @ w.T).abs().max() < 1e-4
 xh, wh = torch.randn(64, 300).half(), torch.randn(96, 300).half()
 p = tg.splitk_gemm(xh, wh, 4, block_n=32, block_k=64)
 assert p.dtype == torch.float32 and (p.sum(0) - xh.float() @ wh.float().T).abs().max() < 1e-4
+# the gate/up GEMM with its SwiGLU epilogue: w [2I, K], gate rows first
+import torch.nn.functional as F
+for m, inter, k, bn, bk in [(5, 48, 300, 32, 64), (64, 64, 256, 32, 64), (100, 40, 128, 16, 128)]:
+    x, w = torch.randn(m, k), torch.randn(2 * inter, k)
+    gate, up = (x @ w.T).chunk(2, -1)
+    out = tg.gated_gemm(x, w, block_n=bn, block_k=bk)
+    assert out.shape == (m, inter) and out.dtype == torch.float32
+    assert (out - F.silu(gate) * up).abs().max() < 1e-3 * (F.silu(gate) * up).abs().max(), (m, inter, k)
+# fp16: rounded as torch rounds F.linear, then F.silu(gate) * up
+xh, wh = torch.randn(64, 256).half(), (torch.randn(96, 256) * 0.1).half()
+gate, up = (xh.float() @ wh.float().T).half().chunk(2, -1)
+ref = F.silu(gate) * up
+got = tg.gated_gemm(xh, wh, block_n=16, block_k=64)
+assert got.dtype == torch.float16
+bad = (got != ref).float().mean().item()
+assert bad < 0.02 and (got.float() - ref.float()).abs().max() < 1e-2, bad  # the GEMM sums round differently, rarely
 print("OK")
 """
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -22,6 +22,7 @@ class EngineConfig:
     triton_decode: bool = True  # the Triton paged-decode kernel on GPU (falls back to torch)
     fused_kernels: bool = True  # GPU: the fused Triton layer kernels of triton_fused.py (with triton_decode)
     splitk_gemm: bool = True  # GPU, with fused_kernels: o_proj/down_proj for <= 64 rows through triton_gemm.py's split-K kernel
+    gated_gemm: bool = True  # GPU, with fused_kernels: gate/up GEMM + SwiGLU in one Triton kernel for <= 64 rows
     prefix_caching: bool = True  # reuse full KV pages of identical prefixes across requests
     # Decode through the same scaled_dot_product_attention call as prefill and the trainer (no CUDA
     # graphs, no Triton, no decode window): slower, but a precision recipe's kernel mode then sees the

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles_core.kernels.varlen import causal_varlen
-from miles_core.models.decoder import Attention, RMSNorm
+from miles_core.models.decoder import MLP, Attention, RMSNorm
 from miles_core.rollout.engine_core import triton_decode, triton_fused, triton_gemm
 
 from miles_core.rollout.engine_core.attention import AttnBatch, decode_attention_torch, gather_slots, paged_attention
@@ -83,6 +83,7 @@ class ModelRunner:
         # the fused Triton layer kernels (triton_fused.py) on the fast GPU path; see _layers_fused
         self.fused_kernels = self.use_triton and cfg.fused_kernels and self.fusable()
         self.splitk = self.fused_kernels and cfg.splitk_gemm  # o_proj / down_proj as split-K partials (triton_gemm.py)
+        self.gated = self.fused_kernels and cfg.gated_gemm  # gate/up GEMM + SwiGLU in one kernel (triton_gemm.py)
         # flash varlen attention for prefills of fresh prompts (bf16/fp16 on the fast GPU path), or None
         half = self.dtype in (torch.bfloat16, torch.float16)
         self.varlen = causal_varlen() if self.use_triton and half else None
@@ -223,7 +224,8 @@ class ModelRunner:
     def _layers_fused(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None, attend) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`_layers` in fewer kernels (triton_fused.py): per layer the q/k/v GEMM, one prologue
         (q/k norm, rotary from the tables, decode slot, K/V write), attention, o_proj, residual add +
-        norm, the MLP, residual add + the next layer's norm."""
+        norm, the MLP (at <= 64 rows with ``gated_gemm``: the gate/up GEMM with the SwiGLU as its epilogue,
+        then down_proj), residual add + the next layer's norm."""
         model = self.model
         layers = model.model.layers
         n, d = x.shape[0], self.head_dim
@@ -249,7 +251,9 @@ class ModelRunner:
                 if self.is_moe:
                     routed.append(torch.full((n, self.moe_k), -1, dtype=torch.long, device=x.device))
                 gu = self.gate_up[i] if self.gate_up else None
-                if gu is not None:
+                if gu is not None and self.gated and n <= 64 and isinstance(mlp, MLP):  # mlp.act is the "swiglu" op
+                    out = self._out_linear(mlp.down_proj, triton_gemm.gated_gemm(h, gu))
+                elif gu is not None:
                     gate, up = F.linear(h, gu).chunk(2, -1)
                     out = self._out_linear(mlp.down_proj, mlp.act(gate, up))
                 else:

@@ -1,4 +1,5 @@
-"""Split-K GEMM in Triton for the decode step's skinny GEMMs with a small output width, for the GPU.
+"""Split-K GEMM in Triton for the decode step's skinny GEMMs with a small output width, for the GPU;
+and the gate/up GEMM with its SwiGLU epilogue.
 
 For ``x`` [M, K] and an ``nn.Linear`` weight ``w`` [N, K], with the K blocks of ``BLOCK_K`` cut into
 ``SPLIT_K`` contiguous ranges of ``KB = cdiv(cdiv(K, BLOCK_K), SPLIT_K)`` blocks each::
@@ -30,6 +31,9 @@ not tf32.
 
 Shapes: ``x`` [M, K] and ``w`` [N, K], same dtype, unit last stride; returns ``partial``
 [SPLIT_K, M, N] fp32, contiguous.
+
+:func:`gated_gemm` is the MLP's gate/up GEMM with the SwiGLU as its epilogue (no split: the
+activation needs whole sums): each program accumulates a gate tile and the matching up tile.
 """
 
 from __future__ import annotations
@@ -84,6 +88,76 @@ if triton is not None:
             w_ptrs += BLOCK_K
         p_ptrs = P + s.to(tl.int64) * s_ps + offs_m.to(tl.int64)[:, None] * s_pm + offs_n[None, :]
         tl.store(p_ptrs, acc, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+    @triton.jit
+    def _gated_kernel(
+        X, W, O, M, I, K, s_xm, s_wn, s_om,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        """``O[:, n] = silu(X @ W[n].T) * (X @ W[I + n].T)`` for a [BLOCK_M, BLOCK_N] tile: the gate and
+        up rows of the fused weight as two accumulators, rounded to the output dtype and combined as
+        torch's ``F.silu(gate) * up`` rounds them."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = (offs_m % M).to(tl.int64)
+        rn = (offs_n % I).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = X + rm[:, None] * s_xm + offs_k[None, :]
+        g_ptrs = W + rn[:, None] * s_wn + offs_k[None, :]
+        u_ptrs = g_ptrs + I * s_wn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(x_ptrs)
+                g = tl.load(g_ptrs)
+                u = tl.load(u_ptrs)
+            else:
+                kmask = offs_k < K - k0
+                a = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=kmask[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=kmask[None, :], other=0.0)
+            if IEEE:
+                acc_g = tl.dot(a, tl.trans(g), acc_g, input_precision="ieee", out_dtype=tl.float32)
+                acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision="ieee", out_dtype=tl.float32)
+            else:
+                acc_g = tl.dot(a, tl.trans(g), acc_g, out_dtype=tl.float32)
+                acc_u = tl.dot(a, tl.trans(u), acc_u, out_dtype=tl.float32)
+            x_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        dt = O.dtype.element_ty
+        gate = acc_g.to(dt).to(tl.float32)  # the GEMM's output, rounded as F.linear's
+        up = acc_u.to(dt).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)  # silu, rounded
+        o_ptrs = O + offs_m.to(tl.int64)[:, None] * s_om + offs_n[None, :]
+        tl.store(o_ptrs, (act * up).to(dt), mask=(offs_m < M)[:, None] & (offs_n < I)[None, :])
+
+
+def gated_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: int = 64, num_warps: int = 4,
+               num_stages: int = 4) -> torch.Tensor:
+    """x [M, K], w [2I, K] (the fused gate/up weight, gate rows first) -> ``silu(x @ w[:I].T) * (x @ w[I:].T)``
+    [M, I] in x's dtype, in one kernel: the MLP's gate/up GEMM with the SwiGLU as its epilogue (no
+    [M, 2I] intermediate, no SwiGLU kernel). Each program streams ``2 * block_n`` weight rows."""
+    m, k = x.shape
+    n2, k2 = w.shape
+    assert k == k2 and n2 % 2 == 0, (x.shape, w.shape)
+    assert x.dtype == w.dtype, (x.dtype, w.dtype)
+    inter = n2 // 2
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(m, inter, device=x.device, dtype=x.dtype)
+    if m == 0 or inter == 0:
+        return out
+    bm = block_m(m)
+    _gated_kernel[(_cdiv(inter, block_n), _cdiv(m, bm))](
+        x, w, out, m, inter, k, x.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
 
 
 def _cdiv(a: int, b: int) -> int:
