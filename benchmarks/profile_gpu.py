@@ -37,7 +37,7 @@ def _tables(prof, py: cProfile.Profile, dt: float, label: str) -> None:
     print(s.getvalue()[-6000:])
 
 
-KINDS = (("gemm", ("nvjet", "gemm", "cutlass", "splitk", "sm90_xmma", "ampere")), ("attention", ("_decode_kernel", "flash", "attention")),
+KINDS = (("gemm", ("nvjet", "gemm", "cutlass", "splitk", "_gated_kernel", "sm90_xmma", "ampere")), ("attention", ("_decode_kernel", "flash", "attention")),
          ("norm", ("rmsnorm",)), ("rope", ("rope",)), ("swiglu", ("swiglu",)), ("index / KV write", ("index",)),
          ("copy / cast", ("copy", "elementwise")), ("sampling / softmax", ("softmax", "argmax", "sample", "topk", "sort")))
 
