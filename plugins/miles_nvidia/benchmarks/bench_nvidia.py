@@ -301,6 +301,8 @@ def bench_parts(quick: bool):
         from miles_nvidia.fp8.quant import quantize_weight
         _, sxb, qxbt = quantize_weight(x, transposed=True)
         sxbt = sxb.t().contiguous()
+        _, sdyb0, qdyb = quantize_weight(dy, transposed=True)  # dy.T in 128x128 blocks (M = 16384: no padding)
+        sdyb = sdyb0.t().contiguous()
         cand = {
             "bf16 fwd x @ W.T": lambda: x @ w.t(),
             "bf16 dgrad dy @ W": lambda: dy @ w,
@@ -314,6 +316,7 @@ def bench_parts(quick: bool):
                 "fp8 wgrad swapped, GEMM only": lambda: fp8_gemm(qxt, sxt, qdyt, sdyt, 1, torch.bfloat16, "scaled_mm"),
                 "fp8 wgrad swapped + .t().contiguous()": lambda: fp8_gemm(qxt, sxt, qdyt, sdyt, 1, torch.bfloat16, "scaled_mm").t().contiguous(),
                 "fp8 wgrad, x in 128x128 blocks": lambda: fp8_gemm(qdyt, sdyt, qxbt, sxbt, 128, torch.bfloat16, "scaled_mm"),
+                "fp8 wgrad, dy in 128x128 blocks": lambda: fp8_gemm(qdyb, sdyb, qxt, sxt, 1, torch.bfloat16, "scaled_mm", a_rows=128),
                 "quantise x in 128x128 blocks (+ q.T copy)": lambda: quantize_weight(x, transposed=True),
                 "quantise x.T 1x128 tiles (module)": lambda: quantize_act_t(x),
             }
@@ -347,7 +350,7 @@ def bench_parts(quick: bool):
                 qrows.append([name, qname, f"{ms:.3f}", f"{3 * elems / (ms * 1e-3) / 1e12:.2f}", "yes" if same else "NO"])
             except Exception as exc:
                 qrows.append([name, qname, f"{type(exc).__name__}: {str(exc)[:80]}", "", ""])
-        del x, w, dy, qx, qxt, qdyt, qdy, wq, ref, base_rows, base_cols, qxbt
+        del x, w, dy, qx, qxt, qdyt, qdy, wq, ref, base_rows, base_cols, qxbt, qdyb
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     RESULTS["parts"] = {"gemms": rows, "quant": qrows, "M": m}

@@ -35,14 +35,14 @@ def test_round_trip_error_bound(rows):
         assert (back - x).norm() < (dequantize_blockwise(qw, sw, 128) - x).norm()
 
 
-@pytest.mark.parametrize("b_rows", [1, 128])
-def test_triton_gemm_matches_emulation(b_rows):
+@pytest.mark.parametrize("a_rows,b_rows", [(1, 1), (1, 128), (128, 1)])
+def test_triton_gemm_matches_emulation(a_rows, b_rows):
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(20, 256, generator=g), torch.randn(136, 256, generator=g)  # N not a multiple of 128
-    aq, sa = quantize_act(a)
+    a, b = torch.randn(20 if a_rows == 1 else 256, 256, generator=g), torch.randn(136, 256, generator=g)  # N not a multiple of 128
+    aq, sa = quantize_act(a) if a_rows == 1 else quantize_weight(a)
     bq, sb = quantize_act(b) if b_rows == 1 else quantize_weight(b)
-    ref = fp8_gemm_emulated(aq, sa, bq, sb, b_rows, torch.float32)
-    out = fp8_gemm_triton(aq, sa, bq, sb, b_rows, torch.float32)
+    ref = fp8_gemm_emulated(aq, sa, bq, sb, b_rows, torch.float32, a_rows)
+    out = fp8_gemm_triton(aq, sa, bq, sb, b_rows, torch.float32, a_rows=a_rows)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
     exact = a @ b.t()
     assert (ref - exact).norm() / exact.norm() < 0.05
@@ -110,6 +110,19 @@ def _gemm_paths_agree(m: int, n: int, k: int, b_rows: int, backends: tuple[str, 
     ref = fp8_gemm_emulated(aq, sa, bq, sb, b_rows, torch.float32)
     for backend in backends:
         out = fp8_gemm(aq, sa, bq, sb, b_rows, torch.bfloat16, backend).float()
+        assert (out - ref).norm() / ref.norm() < 1e-2, backend
+
+
+@pytest.mark.gpu
+def test_gpu_paths_agree_a_in_blocks():
+    """A in 128x128 blocks (the dy_blocks wgrad: dy.T [N, Mp]) against B in 1x128 tiles, on both GPU paths."""
+    a = torch.randn(4096, 2048, device="cuda")
+    b = torch.randn(1024, 2048, device="cuda") * 0.02
+    aq, sa = quantize_weight(a)
+    bq, sb = quantize_act(b)
+    ref = fp8_gemm_emulated(aq, sa, bq, sb, 1, torch.float32, a_rows=128)
+    for backend in ("scaled_mm", "triton"):
+        out = fp8_gemm(aq, sa, bq, sb, 1, torch.bfloat16, backend, a_rows=128).float()
         assert (out - ref).norm() / ref.norm() < 1e-2, backend
 
 
@@ -317,10 +330,11 @@ def test_fp8_linear_module_grads_match_bf16():
         assert c > 0.99, c
 
 
-def test_fp8_linear_wgrad_blocks_mode(monkeypatch):
-    """MILES_FP8_WGRAD=blocks: backward keeps q(x.T) in 128x128 blocks (tokens padded to 512), dW is
-    exactly the 1x128 x 128x128 GEMM of q(dy.T) and those blocks, dx is unchanged, and the grads stay
-    close to bf16's."""
+@pytest.mark.parametrize("mode", ["blocks", "dy_blocks"])
+def test_fp8_linear_wgrad_block_modes(mode, monkeypatch):
+    """MILES_FP8_WGRAD=blocks keeps q(x.T) in 128x128 blocks, dy_blocks quantises dy.T in them (tokens
+    padded to 512 either way): dW is exactly the 1x128 x 128x128 GEMM of those operands, dx is
+    unchanged, and the grads stay close to bf16's. An unknown mode is refused by name."""
     from miles_nvidia.fp8.quant import quantize_act_t, quantize_act_t_blocks
 
     g = torch.Generator().manual_seed(6)
@@ -328,21 +342,31 @@ def test_fp8_linear_wgrad_blocks_mode(monkeypatch):
     w = (torch.randn(384, 256, generator=g) * 0.05).to(torch.bfloat16).requires_grad_()
     dy = torch.randn(150, 384, generator=g, dtype=torch.bfloat16)
     gx_tiles, _ = torch.autograd.grad(fp8_linear(x, w, backend="emulated"), (x, w), dy)
-    monkeypatch.setenv("MILES_FP8_WGRAD", "blocks")
+    monkeypatch.setenv("MILES_FP8_WGRAD", mode)
     y = fp8_linear(x, w, backend="emulated")
-    assert [t.shape for t in y.grad_fn.saved_tensors] == [(256, 512), (2, 4)]  # [K, Mp], [K/128, Mp/128]
+    saved = [tuple(t.shape) for t in y.grad_fn.saved_tensors]
     gx, gw = torch.autograd.grad(y, (x, w), dy)
-    qdyt, sdyt = quantize_act_t(dy, pad=512)
-    qxb, sxb = quantize_act_t_blocks(x.detach())
-    assert torch.equal(gw, fp8_gemm(qdyt, sdyt, qxb, sxb, 128, torch.bfloat16, "emulated"))
+    if mode == "blocks":
+        assert saved == [(256, 512), (2, 4)]  # [K, Mp], [K/128, Mp/128]
+        qdyt, sdyt = quantize_act_t(dy, pad=512)
+        qxb, sxb = quantize_act_t_blocks(x.detach())
+        assert torch.equal(gw, fp8_gemm(qdyt, sdyt, qxb, sxb, 128, torch.bfloat16, "emulated"))
+    else:
+        assert saved == [(256, 512), (256, 4)]  # x.T tiles: [K, Mp], [K, Mp/128]
+        qdyb, sdyb = quantize_act_t_blocks(dy)
+        qxt, sxt = quantize_act_t(x.detach(), pad=512)
+        assert torch.equal(gw, fp8_gemm(qdyb, sdyb, qxt, sxt, 1, torch.bfloat16, "emulated", a_rows=128))
     assert torch.equal(gx, gx_tiles)
     for c in _fp8_vs_bf16_grads(132, 384, 256, "cpu", "emulated"):
         assert c > 0.99, c
+    monkeypatch.setenv("MILES_FP8_WGRAD", "bogus")
+    with pytest.raises(ValueError, match="MILES_FP8_WGRAD='bogus'"):
+        fp8_linear(x, w, backend="emulated")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "triton"])
-@pytest.mark.parametrize("wgrad", ["tiles", "blocks"])
+@pytest.mark.parametrize("wgrad", ["tiles", "blocks", "dy_blocks"])
 def test_gpu_fp8_linear_module_grads_match_bf16(backend, wgrad, monkeypatch):
     """Qwen3-8B qkv shape with a ragged token count, through the Triton quantisers on the GPU, in both
     wgrad operand layouts."""

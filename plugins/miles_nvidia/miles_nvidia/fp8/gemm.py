@@ -24,15 +24,18 @@ from miles_nvidia.fp8.quant import BLOCK, dequantize_blockwise
 from miles_nvidia.runtime import interpreting
 
 
-def fp8_gemm_emulated(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16) -> torch.Tensor:
-    a = dequantize_blockwise(a_q, a_s, 1)
+def fp8_gemm_emulated(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16, a_rows: int = 1) -> torch.Tensor:
+    a = dequantize_blockwise(a_q, a_s, a_rows)
     b = dequantize_blockwise(b_q, b_s, b_rows)
     return (a @ b.t()).to(out_dtype)
 
 
-def fp8_gemm_scaled_mm(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16) -> torch.Tensor:
+def fp8_gemm_scaled_mm(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16, a_rows: int = 1) -> torch.Tensor:
     m, k = a_q.shape
-    sa = a_s.t().contiguous().t()  # [M, K/128], M-major (a no-op for the Triton quantisers' layout)
+    if a_rows == 1:
+        sa = a_s.t().contiguous().t()  # [M, K/128], M-major (a no-op for the Triton quantisers' layout)
+    else:  # 128x128 blocks: [M/128, K/128] row-major, as the weight's
+        sa = a_s.contiguous()
     if b_rows == 1:  # scale_b of mat2 = b_q.t() [K, N] is [K/128, N] contiguous (torch checks scale_b.t())
         sb = b_s.t().contiguous()
     else:  # 128x128: scale_b.t() must be [N/128, K/128] row-major, unpadded (checked by torch)
@@ -42,7 +45,7 @@ def fp8_gemm_scaled_mm(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16
 
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, s_am, s_bn, s_sam, s_sak, s_sbn, s_sbk, s_cm,
-                     B_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     A_ROWS: tl.constexpr, B_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] output tile; programs in groups of ``GROUP_M`` tile rows (a group walks
     its rows before the next column, so the B tiles it shares stay in L2). Rows past M and columns
@@ -63,7 +66,7 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, s_am, s_bn, s
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rm[:, None] * s_am + rk[None, :]
     b_ptrs = b_ptr + rn[:, None] * s_bn + rk[None, :]
-    sa_ptrs = sa_ptr + rm * s_sam
+    sa_ptrs = sa_ptr + (rm // A_ROWS) * s_sam
     sb_ptrs = sb_ptr + (rn // B_ROWS) * s_sbn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
@@ -95,7 +98,8 @@ TRITON_CONFIG = (128, 64, 4, 4)
 TRITON_SWEEP = ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3), (64, 256, 4, 4), (128, 64, 4, 4), (64, 128, 4, 4))
 
 
-def fp8_gemm_triton(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+def fp8_gemm_triton(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16, config: tuple[int, int, int, int] | None = None,
+                    a_rows: int = 1) -> torch.Tensor:
     """``config`` (block_m, block_n, warps, stages) overrides :data:`TRITON_CONFIG` (the benchmark sweeps it)."""
     m, k = a_q.shape
     n = b_q.shape[0]
@@ -105,7 +109,7 @@ def fp8_gemm_triton(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16, c
     bm, bn, warps, stages = config or ((16, 32, 4, 3) if interpreting() else TRITON_CONFIG)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _fp8_gemm_kernel[grid](a_q, b_q, a_s, b_s, out, m, n, k, a_q.stride(0), b_q.stride(0), a_s.stride(0), a_s.stride(1),
-                           b_s.stride(0), b_s.stride(1), out.stride(0), B_ROWS=b_rows, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK,
+                           b_s.stride(0), b_s.stride(1), out.stride(0), A_ROWS=a_rows, B_ROWS=b_rows, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK,
                            GROUP_M=8, EVEN_K=k % BLOCK == 0, UPCAST=interpreting(),
                            **({} if interpreting() else dict(num_warps=warps, num_stages=stages)))
     return out
@@ -129,12 +133,13 @@ def scaled_mm_shape_ok(k: int, n: int) -> bool:
     return k % (4 * BLOCK) == 0 and n % BLOCK == 0
 
 
-def fp8_gemm(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16, backend: str = "auto") -> torch.Tensor:
-    """Dispatch: ``backend`` is auto | scaled_mm | triton | emulated."""
+def fp8_gemm(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16, backend: str = "auto", a_rows: int = 1) -> torch.Tensor:
+    """Dispatch: ``backend`` is auto | scaled_mm | triton | emulated. ``a_rows``: 1 (``a_s`` 1x128 tiles,
+    the default) or 128 (``a_s`` [M/128, K/128] blocks; M a multiple of 128)."""
     if backend == "auto":
         if a_q.is_cuda and scaled_mm_supported(a_q.device) and scaled_mm_shape_ok(a_q.shape[1], b_q.shape[0]):
             try:
-                return fp8_gemm(a_q, a_s, b_q, b_s, b_rows, out_dtype, "scaled_mm")
+                return fp8_gemm(a_q, a_s, b_q, b_s, b_rows, out_dtype, "scaled_mm", a_rows)
             except RuntimeError:  # a torch/cuBLAS without blockwise scaling (< 2.9 or CUDA < 12.9)
                 backend = "triton"
         else:
@@ -142,10 +147,11 @@ def fp8_gemm(a_q, a_s, b_q, b_s, b_rows: int, out_dtype=torch.bfloat16, backend:
     if backend == "scaled_mm":
         m = a_q.shape[0]
         pad = (-m) % 16  # cuBLASLt wants M aligned
+        assert a_rows == 1 or m % BLOCK == 0, (a_rows, m)
         if pad:
             a_q = torch.nn.functional.pad(a_q.view(torch.uint8), (0, 0, 0, pad)).view(a_q.dtype)
             a_s = torch.nn.functional.pad(a_s, (0, 0, 0, pad), value=1.0)
-        return fp8_gemm_scaled_mm(a_q, a_s, b_q, b_s, b_rows, out_dtype)[:m]
+        return fp8_gemm_scaled_mm(a_q, a_s, b_q, b_s, b_rows, out_dtype, a_rows)[:m]
     if backend == "triton":
-        return fp8_gemm_triton(a_q, a_s, b_q, b_s, b_rows, out_dtype)
-    return fp8_gemm_emulated(a_q, a_s, b_q, b_s, b_rows, out_dtype)
+        return fp8_gemm_triton(a_q, a_s, b_q, b_s, b_rows, out_dtype, a_rows=a_rows)
+    return fp8_gemm_emulated(a_q, a_s, b_q, b_s, b_rows, out_dtype, a_rows)

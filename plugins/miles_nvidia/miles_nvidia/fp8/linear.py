@@ -19,6 +19,9 @@ forward and dgrad GEMMs. On the H200 (2026-12-04, ``bench_nvidia.py --only parts
 product on random data (3.6e-2 vs 3.7e-2); a block shares one scale over 128 tokens x 128 channels,
 so values much smaller than the block's largest lose relative precision (e4m3 keeps its 3 mantissa
 bits down to about 3.5e-5 of the block's largest value, then subnormals). dy stays in 1x128 tiles.
+``dy_blocks`` does the reverse: x.T in tiles, dy.T in 128x128 blocks (scales from dy's row tiles),
+against DeepSeek-V3's finding that block-quantised activation gradients made an MoE model diverge;
+it is there to be measured. The 200-step quickstart loss (bf16 1.3910): tiles 0.28% off, blocks 2.55%.
 
 Weight cache (departure from DeepSeek-V3's "quantise on the fly" and from this module's first
 version): :class:`Fp8Linear` keeps, on the module instance, one quantisation of its weight --
@@ -65,10 +68,17 @@ def wgrad_gemm() -> tuple[str, tuple[int, int, int, int] | None]:
     return "triton", cfg
 
 
-def wgrad_blocks() -> bool:
-    """``MILES_FP8_WGRAD=blocks``: the weight-gradient GEMM takes x.T in 128x128 blocks (the operand
-    layout of the forward's weight), not 1x128 tiles along the tokens. See the module docstring."""
-    return os.environ.get("MILES_FP8_WGRAD", "tiles") == "blocks"
+WGRAD_MODES = ("tiles", "blocks", "dy_blocks")
+
+
+def wgrad_mode() -> str:
+    """``MILES_FP8_WGRAD``: the weight-gradient GEMM's operands (see the module docstring). ``tiles``
+    (default): dy.T and x.T both in 1x128 tiles along the tokens; ``blocks``: x.T in 128x128 blocks;
+    ``dy_blocks``: dy.T in 128x128 blocks. A block mode runs cuBLAS's 1x128 x 128x128 form."""
+    mode = os.environ.get("MILES_FP8_WGRAD", "tiles")
+    if mode not in WGRAD_MODES:
+        raise ValueError(f"MILES_FP8_WGRAD={mode!r}: one of {', '.join(WGRAD_MODES)}")
+    return mode
 
 
 @dataclass(frozen=True)
@@ -124,10 +134,12 @@ class _Fp8LinearFn(torch.autograd.Function):
         wq = wq if wq is not None else Fp8Weight.of(weight, transposed=ctx.needs_input_grad[0])  # q(W).T: dgrad only
         # keep_xt: a weight gradient will be asked for (grad mode on, weight requires grad; inside forward grad
         # mode is always off and needs_input_grad is set under no_grad too, so the caller decides)
-        # wgrad operand layout: x.T in 1x128 tiles along tokens (DeepSeek-V3's), or in 128x128 blocks
-        ctx.wgrad_rows, ctx.pad = (BLOCK, 4 * BLOCK) if wgrad_blocks() else (1, BLOCK)
-        if keep_xt and ctx.wgrad_rows == 1:  # x's wgrad tiles (x.T along tokens), kept in FP8 for backward
-            qxt, sxt, qx, sx = quantize_act_t(x2, both=True)
+        # wgrad operand layout: x.T in 1x128 tiles along tokens (DeepSeek-V3's), or in 128x128 blocks; a block
+        # mode pads the tokens to a multiple of 512 (cuBLAS's 128x128 scales want K/128 a multiple of 4)
+        ctx.mode = wgrad_mode()
+        ctx.pad = BLOCK if ctx.mode == "tiles" else 4 * BLOCK
+        if keep_xt and ctx.mode != "blocks":  # x's wgrad tiles (x.T along tokens), kept in FP8 for backward
+            qxt, sxt, qx, sx = quantize_act_t(x2, both=True, pad=ctx.pad)
             ctx.save_for_backward(qxt, sxt)
         else:
             qx, sx = quantize_act(x2)
@@ -141,8 +153,12 @@ class _Fp8LinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         wq, backend = ctx.wq, ctx.backend
         dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16)
-        # one read of dy: its 1x128 row tiles (dgrad) and the tiles of dy.T along tokens (wgrad)
-        qdyt, sdyt, qdy, sdy = quantize_act_t(dy2, both=True, pad=ctx.pad)
+        if ctx.mode == "dy_blocks":  # dy's row tiles (dgrad); dy.T in blocks whose scales come from them (wgrad)
+            qdy, sdy = quantize_act(dy2)
+            qdyt, sdyt = quantize_act_t_blocks(dy2, sdy, ctx.pad) if ctx.needs_input_grad[1] else (None, None)
+        else:  # dy's 1x128 row tiles (dgrad) and the tiles of dy.T along tokens (wgrad)
+            qdyt, sdyt, qdy, sdy = quantize_act_t(dy2, both=True, pad=ctx.pad)
+        a_rows, b_rows = {"tiles": (1, 1), "blocks": (1, BLOCK), "dy_blocks": (BLOCK, 1)}[ctx.mode]
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = fp8_gemm(qdy, sdy, wq.qt, wq.st, BLOCK, torch.bfloat16, backend).view(ctx.shape).to(ctx.xdtype)
@@ -151,9 +167,9 @@ class _Fp8LinearFn(torch.autograd.Function):
             out = ctx.wdtype if ctx.wdtype in (torch.bfloat16, torch.float32) else torch.float32
             which, cfg = wgrad_gemm()
             if which == "triton" and qdyt.is_cuda:
-                dw = fp8_gemm_triton(qdyt, sdyt, qxt, sxt, ctx.wgrad_rows, out, cfg).to(ctx.wdtype)
+                dw = fp8_gemm_triton(qdyt, sdyt, qxt, sxt, b_rows, out, cfg, a_rows=a_rows).to(ctx.wdtype)
             else:
-                dw = fp8_gemm(qdyt, sdyt, qxt, sxt, ctx.wgrad_rows, out, backend).to(ctx.wdtype)
+                dw = fp8_gemm(qdyt, sdyt, qxt, sxt, b_rows, out, backend, a_rows=a_rows).to(ctx.wdtype)
         return dx, dw, None, None, None
 
 
