@@ -5,10 +5,11 @@ both GEMMs in FP8 as well: ``dx = dy @ W`` (dy [M, N] in 1x128 tiles along N, ``
 the transposed block scales) and ``dW = dy.T @ x`` (dy.T [N, Mp] and x.T [K, Mp] in 1x128 tiles along
 the token dim, Mp = M rounded up to 128 with zero tokens), all accumulated in fp32 and returned in
 the input's / weight's dtype. Master weights stay in bf16 (``param_dtype``), so the optimizer never
-sees FP8. Quantisation passes per training step of one linear: x and x.T in one read (forward; x.T
-is what backward keeps, in FP8: 1 byte per element instead of a bf16 copy of x), dy and dy.T in
-one read (backward; fused transposing kernels), and the weight once per optimizer step (below;
-its transposed copy q(W).T is a torch copy, see :mod:`miles_nvidia.fp8.quant_triton` for why).
+sees FP8. Quantisation per training step of one linear: x and x.T (forward; x.T is what backward
+keeps, in FP8: 1 byte per element instead of a bf16 copy of x), dy and dy.T (backward), each pair by
+the column kernel and then the row kernel (``MILES_FP8_BOTH=fused``: one read, one kernel, slower on
+the H200), and the weight once per optimizer step (below; its transposed copy q(W).T is a torch
+copy, see :mod:`miles_nvidia.fp8.quant_triton` for why).
 
 Weight-gradient operand (``MILES_FP8_WGRAD``): ``tiles`` (default) quantises x.T in 1x128 tiles
 along the tokens, as DeepSeek-V3 does, and the wgrad GEMM is ``torch._scaled_mm``'s 1x128 x 1x128
