@@ -8,14 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_core.train.packing import SegmentAttention, _varlen_fn
+from miles_core.kernels.varlen import causal_varlen
+from miles_core.train.packing import SegmentAttention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
 @pytest.mark.gpu
 def test_varlen_attention_matches_per_sample_sdpa():
-    if _varlen_fn() is None:
+    if causal_varlen() is None:
         pytest.skip("this torch has no torch.nn.attention.varlen")
     torch.manual_seed(0)
     cu = torch.tensor([0, 100, 356, 400], dtype=torch.int32, device="cuda")

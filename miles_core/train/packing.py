@@ -121,7 +121,6 @@ def micro_batch_plan(batch: TrainBatch, world_size: int, max_tokens: int) -> lis
 
 
 # ---------------------------------------------------------------------- attention over a pack
-_varlen_fn = causal_varlen  # torch's flash-attention varlen op (torch >= 2.10, CUDA), or None
 
 
 class SegmentAttention:
@@ -159,14 +158,14 @@ class SegmentAttention:
             dt = torch.get_autocast_dtype("cuda")
             q, k, v = q.to(dt), k.to(dt), v.to(dt)
         if impl == "auto":
-            if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_fn():
+            if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and causal_varlen():
                 impl = "varlen"
             else:
                 impl = "padded" if self.num_segments > 4 else "sdpa"
         if impl in ("padded", "cudnn"):
             return self._padded(q, k, v)
         if impl == "varlen":
-            fn = _varlen_fn()
+            fn = causal_varlen()
             out = fn(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), self.cu.to(q.device), self.max_seqlen)
             return out.transpose(0, 1)[None]
         parts = [  # "sdpa"

@@ -260,7 +260,7 @@ class EngineCore:
             max_q=qmax,
             max_ctx=-(-max(ctx) // p) * p,
         )
-        if all(c == n for c, n in zip(ctx, q_lens)):  # no chunk has context before it
+        if self.runner.varlen_prefill and all(c == n for c, n in zip(ctx, q_lens)):  # no chunk has context before it
             meta.cu_seqlens = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=dev)
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
         logits, routed = self.runner.prefill(as_long(ids), as_long(pos), as_long(slots), meta, as_long(sample_rows))

@@ -88,6 +88,11 @@ class ModelRunner:
         half = self.dtype in (torch.bfloat16, torch.float16)
         self.varlen = causal_varlen() if self.use_triton and half else None
 
+    @property
+    def varlen_prefill(self) -> bool:
+        """Whether prefills of fresh prompts take the flash varlen path (the core then passes ``cu_seqlens``)."""
+        return self.varlen is not None and self.use_triton
+
     # ------------------------------------------------------------------ fused projections
     def fuse(self) -> None:
         """Make each layer's q/k/v (and dense gate/up) weights views into one tensor; no-op with
@@ -280,13 +285,12 @@ class ModelRunner:
     def prefill(self, input_ids, positions, slots, meta: AttnBatch, logits_index):
         """Flat prefill of chunks of several sequences. Returns (logits [M, V] at ``logits_index``, routing)."""
         x = self.model.model.embed_tokens(input_ids)
-        varlen = self.varlen if meta.cu_seqlens is not None and self.use_triton else None
-        if varlen is not None:  # fresh prompts (fast GPU path): flash varlen over the chunk's own K/V, no padded gather
+        if meta.cu_seqlens is not None and self.varlen_prefill:  # fresh prompts: flash varlen over their own K/V
             rep = self.model.config.num_heads // self.kv_heads
 
             def attend(q, kc, vc):
                 k, v = (c[slots].repeat_interleave(rep, dim=1) if rep > 1 else c[slots] for c in (kc, vc))
-                return varlen(q, k, v, meta.cu_seqlens, meta.max_q)
+                return self.varlen(q, k, v, meta.cu_seqlens, meta.max_q)
         else:
             attend = lambda q, kc, vc: paged_attention(q, kc, vc, meta, self.block_size)  # noqa: E731
         hidden, routed = self._layers(x, positions, slots, attend)

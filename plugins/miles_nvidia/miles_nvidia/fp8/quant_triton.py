@@ -164,6 +164,11 @@ def _weight_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, s_wn, s_qn, s_qtk, s_sn,
     tl.store(s_ptr + tl.program_id(0) * s_sn + tl.program_id(1) + tl.zeros((1, 1), tl.int32), scale)
 
 
+# the scale of an all-zero tile, max(0, 1e-12) / 448 in fp32 (IEEE division, as the kernels' div_rn): a
+# constant, so that padding scales costs no device-to-host read
+_ZERO_TILE_SCALE = float(torch.tensor(1e-12, dtype=torch.float32) / torch.tensor(E4M3_MAX, dtype=torch.float32))
+
+
 def _warps(n: int) -> dict:
     return {} if interpreting() else {"num_warps": n}
 
@@ -269,8 +274,7 @@ def quantize_act_t_blocks_triton(x: torch.Tensor, row_scales: torch.Tensor, pad:
     m, k = x.shape
     mp = triton.cdiv(m, pad) * pad
     kb = triton.cdiv(k, BLOCK)
-    zero_tile = torch.full((), 1e-12, dtype=torch.float32, device=x.device) / torch.full((), E4M3_MAX, device=x.device)
-    sr = torch.nn.functional.pad(row_scales.t(), (0, mp - m), value=float(zero_tile))  # [KB, Mp]
+    sr = torch.nn.functional.pad(row_scales.t(), (0, mp - m), value=_ZERO_TILE_SCALE)  # [KB, Mp]
     s = sr.view(kb, mp // BLOCK, BLOCK).amax(-1).contiguous()  # [KB, Mp/128]
     qt = torch.empty(k, mp, dtype=E4M3, device=x.device)
     if mp and k:
