@@ -90,7 +90,7 @@ def engine(args, dev) -> None:
         model.use_kernels(Kernels(MilesPlugins(), dev.type))
     cfg = EngineConfig(max_num_seqs=args.batch, max_model_len=args.prompt_len + args.new_tokens + 16, kv_memory_fraction=0.3,
                        fused_kernels=not args.no_fused, splitk_gemm=not args.no_splitk,
-                       gated_gemm=not args.no_gated)
+                       gated_gemm=not args.no_gated, pdl=not args.no_pdl)
     core = EngineCore(model, cfg)
     prompts = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt_len)).tolist()
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, ignore_eos=True)
@@ -147,6 +147,7 @@ def main() -> None:
     ap.add_argument("--backend", default="torch", help="train: a registered trainer (torch, megatron)")
     ap.add_argument("--no-splitk", action="store_true", help="engine: o_proj/down_proj through cuBLAS at decode, not the split-K Triton GEMM")
     ap.add_argument("--no-gated", action="store_true", help="engine: gate/up through cuBLAS + a SwiGLU kernel at decode, not the gated Triton GEMM")
+    ap.add_argument("--no-pdl", action="store_true", help="engine: no programmatic dependent launch / weight prefetch in the decode step")
     ap.add_argument("--no-fused", action="store_true", help="engine: without the fused Triton layer kernels")
     ap.add_argument("--reference-kernels", action="store_true", help="engine: the core's torch ops, not the registry's")
     ap.add_argument("overrides", nargs="*")

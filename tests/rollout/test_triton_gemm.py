@@ -65,6 +65,13 @@ got = tg.gated_gemm(xh, wh, block_n=16, block_k=64)
 assert got.dtype == torch.float16
 bad = (got != ref).float().mean().item()
 assert bad < 0.02 and (got.float() - ref.float()).abs().max() < 1e-2, bad  # the GEMM sums round differently, rarely
+# gemm(): one split, the output in x's dtype (the q/k/v GEMM of the PDL chain)
+out = tg.gemm(xh, wh, block_n=32, block_k=64)
+ref = (xh.float() @ wh.float().T).half()
+assert out.shape == (64, 96) and out.dtype == torch.float16
+assert (out != ref).float().mean().item() < 0.02 and (out.float() - ref.float()).abs().max() < 1e-2
+x, w = torch.randn(5, 300), torch.randn(40, 300)
+assert (tg.gemm(x, w) - x @ w.T).abs().max() < 1e-4
 print("OK")
 """
     env = dict(os.environ, TRITON_INTERPRET="1")

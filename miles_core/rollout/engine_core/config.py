@@ -23,6 +23,10 @@ class EngineConfig:
     fused_kernels: bool = True  # GPU: the fused Triton layer kernels of triton_fused.py (with triton_decode)
     splitk_gemm: bool = True  # GPU, with fused_kernels: o_proj/down_proj for <= 64 rows through triton_gemm.py's split-K kernel
     gated_gemm: bool = True  # GPU, with fused_kernels: gate/up GEMM + SwiGLU in one Triton kernel for <= 64 rows
+    # GPU sm90+, with fused_kernels: the layer kernels launched as programmatic dependents, the GEMMs
+    # prefetching their weights into L2 while the kernel before them runs; q/k/v through a Triton GEMM
+    # for <= 64 rows so that it joins the chain (triton_pdl.py)
+    pdl: bool = True
     prefix_caching: bool = True  # reuse full KV pages of identical prefixes across requests
     # Decode through the same scaled_dot_product_attention call as prefill and the trainer (no CUDA
     # graphs, no Triton, no decode window): slower, but a precision recipe's kernel mode then sees the

@@ -19,7 +19,9 @@ Fused layer kernels (GPU with Triton, ``fused_kernels``): the q/k norm, rotary a
 one kernel after the q/k/v GEMM, and each residual add runs with the norm after it
 (:mod:`.triton_fused`): the same math as the decoder's Triton ops in a third of the launches. So
 the fast GPU path computes the decoder's function with its own kernels; ``exact_attention`` (the
-batch-invariant recipe) keeps the decoder's modules throughout.
+batch-invariant recipe) keeps the decoder's modules throughout. On sm90+ (``pdl``) those kernels are
+chained by programmatic dependent launch, each GEMM prefetching its weights while the kernel before it
+runs (:mod:`.triton_pdl`).
 
 Decode state lives in static device buffers (``tokens``, ``positions``, ``ctx_lens``,
 ``block_tables``) that a CUDA graph, captured once per batch-size bucket, reads and the engine
@@ -38,7 +40,7 @@ from torch import nn
 
 from miles_core.kernels.varlen import causal_varlen
 from miles_core.models.decoder import MLP, Attention, RMSNorm
-from miles_core.rollout.engine_core import triton_decode, triton_fused, triton_gemm
+from miles_core.rollout.engine_core import triton_decode, triton_fused, triton_gemm, triton_pdl
 
 from miles_core.rollout.engine_core.attention import AttnBatch, decode_attention_torch, gather_slots, paged_attention
 from miles_core.rollout.engine_core.config import EngineConfig
@@ -84,6 +86,7 @@ class ModelRunner:
         self.fused_kernels = self.use_triton and cfg.fused_kernels and self.fusable()
         self.splitk = self.fused_kernels and cfg.splitk_gemm  # o_proj / down_proj as split-K partials (triton_gemm.py)
         self.gated = self.fused_kernels and cfg.gated_gemm  # gate/up GEMM + SwiGLU in one kernel (triton_gemm.py)
+        self.pdl = self.fused_kernels and cfg.pdl and triton_pdl.supported(device)  # programmatic dependent launch
         # flash varlen attention for prefills of fresh prompts (bf16/fp16 on the fast GPU path), or None
         half = self.dtype in (torch.bfloat16, torch.float16)
         self.varlen = causal_varlen() if self.use_triton and half else None
@@ -237,16 +240,18 @@ class ModelRunner:
         cos, sin = self.rope_tables
         where = dict(slots=slots) if slots is not None else dict(block_tables=self.block_tables[:n], page=self.block_size)
         h = layers[0].input_layernorm(x)
+        pdl = self.pdl
         routed = []
         for i, layer in enumerate(layers):
             a = layer.self_attn
             norm = a.cfg.qk_norm
-            q = triton_fused.qkv_prologue(F.linear(h, self.qkv[i]), a.cfg.num_heads, self.kv_heads, d, a.q_norm.weight if norm else None,
+            qkv = triton_gemm.gemm(h, self.qkv[i], pdl=True) if pdl and n <= 64 else F.linear(h, self.qkv[i])
+            q = triton_fused.qkv_prologue(qkv, a.cfg.num_heads, self.kv_heads, d, a.q_norm.weight if norm else None,
                                           a.k_norm.weight if norm else None, a.q_norm.eps if norm else 0.0, positions, cos, sin,
-                                          self.kv[i, 0], self.kv[i, 1], **where)
+                                          self.kv[i, 0], self.kv[i, 1], **where, pdl=pdl)
             post = layer.post_attention_layernorm
             x, h = triton_fused.add_rmsnorm(x, self._out_linear(a.o_proj, attend(q, self.kv[i, 0], self.kv[i, 1]).reshape(n, -1)),
-                                            post.weight, post.eps)
+                                            post.weight, post.eps, pdl)
             mlp = layer.mlp
             if hasattr(mlp, "route"):
                 ids, w = mlp.route(h)
@@ -257,14 +262,14 @@ class ModelRunner:
                     routed.append(torch.full((n, self.moe_k), -1, dtype=torch.long, device=x.device))
                 gu = self.gate_up[i] if self.gate_up else None
                 if gu is not None and self.gated and n <= 64 and isinstance(mlp, MLP):  # mlp.act is the "swiglu" op
-                    out = self._out_linear(mlp.down_proj, triton_gemm.gated_gemm(h, gu))
+                    out = self._out_linear(mlp.down_proj, triton_gemm.gated_gemm(h, gu, pdl=pdl))
                 elif gu is not None:
                     gate, up = F.linear(h, gu).chunk(2, -1)
                     out = self._out_linear(mlp.down_proj, mlp.act(gate, up))
                 else:
                     out = mlp(h)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
-            x, h = triton_fused.add_rmsnorm(x, out, nxt.weight, nxt.eps)
+            x, h = triton_fused.add_rmsnorm(x, out, nxt.weight, nxt.eps, pdl)
         return h, (torch.stack(routed, 1) if routed else None)
 
     def _out_linear(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -279,7 +284,7 @@ class ModelRunner:
             return linear(x)
         w = linear.weight
         split = max(1, triton_gemm.choose_split(w.shape[0], w.shape[1], self.num_sms, 32, 64) // 2)
-        return triton_gemm.splitk_gemm(x, w, split, block_n=32, block_k=64)
+        return triton_gemm.splitk_gemm(x, w, split, block_n=32, block_k=64, pdl=self.pdl)
 
     @torch.no_grad()
     def prefill(self, input_ids, positions, slots, meta: AttnBatch, logits_index):
@@ -309,7 +314,7 @@ class ModelRunner:
             attend = lambda q, kc, vc: paged_attention(q, kc, vc, meta, p)  # noqa: E731
         elif self.use_triton:
             splits = triton_decode.num_splits(bs, self.kv_heads, self.num_sms)
-            attend = lambda q, kc, vc: triton_decode.paged_decode(q, kc, vc, bt, ctx, p, splits)  # noqa: E731
+            attend = lambda q, kc, vc: triton_decode.paged_decode(q, kc, vc, bt, ctx, p, splits, pdl=self.pdl)  # noqa: E731
         elif self._window is not None:
             attend = self._window.attend
         else:

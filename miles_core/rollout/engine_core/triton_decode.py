@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from miles_core.rollout.engine_core import triton_fused
+from miles_core.rollout.engine_core import triton_fused, triton_pdl
 
 try:  # triton is optional (the torch path is the reference)
     import triton
@@ -38,14 +38,16 @@ def available() -> bool:
 
 
 if triton is not None:
+    from miles_core.rollout.engine_core.triton_pdl import pdl_wait
 
     @triton.jit
     def _decode_kernel(
         Q, K, V, BT, CTX, O, LSE, scale,
         s_qb, s_qh, s_kt, s_kh, s_bt, s_ob, s_oh, s_os, s_lb, s_lh,
         PAGE: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_wait(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         s = tl.program_id(2)
@@ -96,8 +98,9 @@ def num_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int, splits: int, block_n: int = 64,
-                 num_warps: int = 4, num_stages: int = 3):
-    """``q`` [B, H, D] -> [B, H, D] in q's dtype. See the module docstring."""
+                 num_warps: int = 4, num_stages: int = 3, pdl: bool = False):
+    """``q`` [B, H, D] -> [B, H, D] in q's dtype. See the module docstring. ``pdl``: launched (with the merge)
+    as programmatic dependents (:mod:`.triton_pdl`)."""
     b, h, d = q.shape
     hk = k_cache.shape[1]
     rep = h // hk
@@ -109,8 +112,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int, s
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         PAGE=block_size, D=d, REP=rep, REP_P=max(16, triton.next_power_of_2(rep)), BLOCK_N=block_n, SPLITS=splits,
-        IEEE=k_cache.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        IEEE=k_cache.dtype == torch.float32, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **triton_pdl.launch_opts(pdl),
     )
     if splits == 1:
         return partial[:, :, 0]
-    return triton_fused.merge_splits(partial, lse, q.dtype)
+    return triton_fused.merge_splits(partial, lse, q.dtype, pdl)

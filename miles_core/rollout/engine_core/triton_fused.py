@@ -41,12 +41,15 @@ try:  # triton is optional (the torch path is the reference)
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
+from miles_core.rollout.engine_core import triton_pdl
+
 
 def available() -> bool:
     return triton is not None
 
 
 if triton is not None:
+    from miles_core.rollout.engine_core.triton_pdl import pdl_wait
 
     @triton.jit
     def _norm_rope(base, W, cos, sin, eps, D: tl.constexpr, NORM: tl.constexpr):
@@ -72,7 +75,9 @@ if triton is not None:
         QKV, QW, KW, POS, COS, SIN, SLOTS, BT, KC, VC, QO, eps,
         s_qkv, s_bt, max_blocks, s_ct, s_ch, s_qo,
         H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, PAGE: tl.constexpr, HAS_SLOTS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_wait(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)  # 0..H-1: query heads; H..H+HK-1: key/value heads
         half = tl.arange(0, D // 2)
@@ -101,7 +106,8 @@ if triton is not None:
             tl.store(VC + dst + cols, v.to(VC.dtype.element_ty))
 
     @triton.jit
-    def _add_rmsnorm_kernel(X, R, W, XO, HO, n, s_rs, eps, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rmsnorm_kernel(X, R, W, XO, HO, n, s_rs, eps, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -118,7 +124,9 @@ if triton is not None:
         tl.store(HO + row * n + cols, y.to(HO.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _merge_kernel(P, LSE, O, s_pb, s_ph, s_ps, s_lb, s_lh, s_ob, s_oh, SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr):
+    def _merge_kernel(P, LSE, O, s_pb, s_ph, s_ps, s_lb, s_lh, s_ob, s_oh, SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr,
+                      PDL: tl.constexpr):
+        pdl_wait(PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         s = tl.arange(0, SP)
@@ -138,11 +146,13 @@ def supports(head_dim: int) -> bool:
 
 
 def qkv_prologue(qkv, num_heads: int, num_kv_heads: int, head_dim: int, q_weight, k_weight, eps: float,
-                 positions, cos_table, sin_table, k_cache, v_cache, slots=None, block_tables=None, page: int = 1) -> torch.Tensor:
+                 positions, cos_table, sin_table, k_cache, v_cache, slots=None, block_tables=None, page: int = 1,
+                 pdl: bool = False) -> torch.Tensor:
     """Norm + rotary on q and k of the fused projection ``qkv``; writes k, v into the caches; returns q [N, H, D].
 
     ``q_weight``/``k_weight`` are the per-head RMSNorm weights [D], or both None (no qk-norm). The
-    cache slots are ``slots``, or (decode, one row per sequence) found in ``block_tables`` with ``page``."""
+    cache slots are ``slots``, or (decode, one row per sequence) found in ``block_tables`` with ``page``.
+    ``pdl`` (here and below): launched as a programmatic dependent (:mod:`.triton_pdl`)."""
     n = qkv.shape[0]
     q = torch.empty(n, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if n == 0:
@@ -156,12 +166,13 @@ def qkv_prologue(qkv, num_heads: int, num_kv_heads: int, head_dim: int, q_weight
         slots if has_slots else dummy, bt, k_cache, v_cache, q, float(eps),
         qkv.stride(0), bt.stride(0) if not has_slots else 0, bt.shape[1] if not has_slots else 1,
         k_cache.stride(0), k_cache.stride(1), q.stride(0),
-        H=num_heads, HK=num_kv_heads, D=head_dim, NORM=norm, PAGE=page, HAS_SLOTS=has_slots, num_warps=1,
+        H=num_heads, HK=num_kv_heads, D=head_dim, NORM=norm, PAGE=page, HAS_SLOTS=has_slots, PDL=pdl, num_warps=1,
+        **triton_pdl.launch_opts(pdl),
     )
     return q
 
 
-def add_rmsnorm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x + r, rmsnorm(x + r, weight))`` for ``x`` [N, hidden], in one pass.
 
     ``r`` is [N, hidden], or [S, N, hidden] fp32 split-K partials of a GEMM (:mod:`.triton_gemm`):
@@ -172,16 +183,17 @@ def add_rmsnorm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: flo
         r = r.contiguous()
         splits = r.shape[0] if r.dim() == 3 else 1
         block = triton.next_power_of_2(hidden)
-        _add_rmsnorm_kernel[(n,)](x, r, weight, xo, ho, hidden, n * hidden, float(eps), SPLITS=splits, BLOCK=block,
-                                  num_warps=max(1, min(8, block // 256)))
+        _add_rmsnorm_kernel[(n,)](x, r, weight, xo, ho, hidden, n * hidden, float(eps), SPLITS=splits, BLOCK=block, PDL=pdl,
+                                  num_warps=max(1, min(8, block // 256)), **triton_pdl.launch_opts(pdl))
     return xo, ho
 
 
-def merge_splits(partial: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def merge_splits(partial: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, pdl: bool = False) -> torch.Tensor:
     """``partial`` [B, H, splits, D] fp32 and ``lse`` [B, H, splits] -> [B, H, D] in ``dtype``."""
     b, h, splits, d = partial.shape
     out = torch.empty(b, h, d, dtype=dtype, device=partial.device)
     if b:
         _merge_kernel[(b, h)](partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-                              out.stride(0), out.stride(1), SPLITS=splits, SP=triton.next_power_of_2(splits), D=d)
+                              out.stride(0), out.stride(1), SPLITS=splits, SP=triton.next_power_of_2(splits), D=d, PDL=pdl,
+                              **triton_pdl.launch_opts(pdl))
     return out

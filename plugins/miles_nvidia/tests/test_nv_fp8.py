@@ -203,6 +203,13 @@ def test_act_quantisers_bitwise_equal_torch(m, k, device):
     assert torch.equal(_bits(qb), _bits(rqb)) and torch.equal(sb, rsb)
     qt3, st3 = quantize_act_t_triton(x, pad=512)  # the 1x128 tiles with the same padding (dy.T in that mode)
     assert torch.equal(_bits(qt3), _bits(quantize_blockwise(torch.nn.functional.pad(x, (0, 0, 0, mb - m)).t(), 1)[0]))
+    # the forward of that mode: both quantisations of x from one read (row pieces, then column pieces)
+    from miles_nvidia.fp8.quant_triton import quantize_act_rows_blocks_triton
+
+    for sub in (32, 64):
+        q4, s4, qb4, sb4 = quantize_act_rows_blocks_triton(x, 512, sub=sub)
+        assert torch.equal(_bits(q4), _bits(rq)) and torch.equal(s4, rs) and s4.t().is_contiguous()
+        assert torch.equal(_bits(qb4), _bits(rqb)) and torch.equal(sb4, rsb)
 
 
 def test_weight_quantiser_bitwise_and_transposed(device):
@@ -278,6 +285,11 @@ def test_gpu_quantisers_bitwise_full_shapes(m, k):
     rqb, rsb = quantize_blockwise(torch.nn.functional.pad(x, (0, 0, 0, mb - m)).t(), 128)
     qb, sb = quantize_act_t_blocks(x, s)
     assert torch.equal(_bits(qb), _bits(rqb)) and torch.equal(sb, rsb)
+    from miles_nvidia.fp8.quant import quantize_act_rows_blocks
+
+    q4, s4, qb4, sb4 = quantize_act_rows_blocks(x)  # the blocks mode's forward: one kernel, both layouts
+    assert torch.equal(_bits(q4), _bits(rq)) and torch.equal(s4, rs)
+    assert torch.equal(_bits(qb4), _bits(rqb)) and torch.equal(sb4, rsb)
 
 
 @pytest.mark.gpu

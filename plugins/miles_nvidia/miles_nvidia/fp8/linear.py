@@ -54,7 +54,7 @@ from torch import nn
 
 from miles_core.precision.base import PrecisionRecipe
 from miles_nvidia.fp8.gemm import fp8_gemm, fp8_gemm_triton
-from miles_nvidia.fp8.quant import BLOCK, quantize_act, quantize_act_t, quantize_act_t_blocks, quantize_weight
+from miles_nvidia.fp8.quant import BLOCK, quantize_act, quantize_act_rows_blocks, quantize_act_t, quantize_act_t_blocks, quantize_weight
 
 
 def wgrad_gemm() -> tuple[str, tuple[int, int, int, int] | None]:
@@ -143,10 +143,11 @@ class _Fp8LinearFn(torch.autograd.Function):
         if keep_xt and ctx.mode != "blocks":  # x's wgrad tiles (x.T along tokens), kept in FP8 for backward
             qxt, sxt, qx, sx = quantize_act_t(x2, both=True, pad=ctx.pad)
             ctx.save_for_backward(qxt, sxt)
+        elif keep_xt:  # blocks: x's row tiles and x.T's 128x128 blocks (scales: the max of the row tiles') in one pass
+            qx, sx, qxt, sxt = quantize_act_rows_blocks(x2, ctx.pad)
+            ctx.save_for_backward(qxt, sxt)
         else:
             qx, sx = quantize_act(x2)
-            if keep_xt:  # the blocks' scales from the row tiles' (one more read of x, no amax pass)
-                ctx.save_for_backward(*quantize_act_t_blocks(x2, sx, ctx.pad))
         y = fp8_gemm(qx, sx, wq.q, wq.s, BLOCK, torch.bfloat16, backend)
         ctx.wq, ctx.backend, ctx.shape, ctx.xdtype, ctx.wdtype = wq, backend, shape, x.dtype, weight.dtype
         return y.view(*shape[:-1], weight.shape[0])
