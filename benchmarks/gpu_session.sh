@@ -23,6 +23,7 @@
 #   bash benchmarks/gpu_session.sh s9g      # FP8 MILES_FP8_WGRAD=dy_blocks: GPU tests, the wgrad GEMM alone, fwd+bwd and the 200-step loss
 #   bash benchmarks/gpu_session.sh s10a     # rollout GPU tests (PDL on/off); rollout bench with PDL (default) and --no-pdl; engine profile at 64
 #   bash benchmarks/gpu_session.sh s10b     # FP8 GPU tests; FP8 tables by wgrad mode and the parts; the 200-step loss over 16 seeds
+#   bash benchmarks/gpu_session.sh s10c     # FP8 GPU tests and fwd+bwd tables with the blocks default; engine with PDL + prefetch, PDL alone, neither, and again
 #   bash benchmarks/gpu_session.sh fp8check   # the FP8 quantiser / module-gradient / path tests under the default (fused activation) kernels
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
 # Logs and JSON go to $OUT (the device tool brings them back).
@@ -171,6 +172,14 @@ print(min(t)[1].strip('()').replace(' ', '') if t else '')")
         | grep -A6 -E "by weight-gradient" | head -8
       grep -E "quantise x|wgrad, x in|wgrad \(scaled" "$OUT/fp8_bench.log" | head -24
       OUT=$OUT/loss timeout 300 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only loss --seeds 16 2>&1 | tee "$OUT/loss.log" | tail -9 ;;
+    s10c)
+      timeout 90 python3 -m pytest -q -rf --tb=short -m gpu plugins/miles_nvidia/tests/test_nv_fp8.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -3
+      OUT=$OUT/fp8 timeout 120 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8 2>&1 | tee "$OUT/fp8_bench.log" \
+        | grep -A12 -E "by weight-gradient" | grep -E "8B|shape"
+      for v in "pf:" "nopf:--no-prefetch" "nopdl:--no-pdl" "pf2:"; do
+        OUT=$OUT/rb_${v%%:*} timeout 100 python3 benchmarks/rollout_bench.py --preset gpu --batches 1,64,256 --skip-hf ${v#*:} 2>&1 \
+          | tee "$OUT/rollout_bench_${v%%:*}.log" | grep -E "^engine:|^ +(1|64|256) \|"
+      done ;;
     fp8check)
       python3 -m pytest -q -rf --tb=short plugins/miles_nvidia/tests/test_nv_fp8.py -k "gpu_quantisers_bitwise or module_grads or gpu_paths" 2>&1 \
         | tee "$OUT/fp8check_tests.log" | tail -4 ;;

@@ -27,6 +27,7 @@ class EngineConfig:
     # prefetching their weights into L2 while the kernel before them runs; q/k/v through a Triton GEMM
     # for <= 64 rows so that it joins the chain (triton_pdl.py)
     pdl: bool = True
+    pdl_prefetch: bool = True  # with pdl: the GEMMs' L2 weight prefetch (off: PDL alone, to measure each)
     prefix_caching: bool = True  # reuse full KV pages of identical prefixes across requests
     # Decode through the same scaled_dot_product_attention call as prefill and the trainer (no CUDA
     # graphs, no Triton, no decode window): slower, but a precision recipe's kernel mode then sees the

@@ -240,12 +240,12 @@ class ModelRunner:
         cos, sin = self.rope_tables
         where = dict(slots=slots) if slots is not None else dict(block_tables=self.block_tables[:n], page=self.block_size)
         h = layers[0].input_layernorm(x)
-        pdl = self.pdl
+        pdl, pf = self.pdl, self.cfg.pdl_prefetch
         routed = []
         for i, layer in enumerate(layers):
             a = layer.self_attn
             norm = a.cfg.qk_norm
-            qkv = triton_gemm.gemm(h, self.qkv[i], pdl=True) if pdl and n <= 64 else F.linear(h, self.qkv[i])
+            qkv = triton_gemm.gemm(h, self.qkv[i], pdl=True, prefetch=pf) if pdl and n <= 64 else F.linear(h, self.qkv[i])
             q = triton_fused.qkv_prologue(qkv, a.cfg.num_heads, self.kv_heads, d, a.q_norm.weight if norm else None,
                                           a.k_norm.weight if norm else None, a.q_norm.eps if norm else 0.0, positions, cos, sin,
                                           self.kv[i, 0], self.kv[i, 1], **where, pdl=pdl)
@@ -262,7 +262,7 @@ class ModelRunner:
                     routed.append(torch.full((n, self.moe_k), -1, dtype=torch.long, device=x.device))
                 gu = self.gate_up[i] if self.gate_up else None
                 if gu is not None and self.gated and n <= 64 and isinstance(mlp, MLP):  # mlp.act is the "swiglu" op
-                    out = self._out_linear(mlp.down_proj, triton_gemm.gated_gemm(h, gu, pdl=pdl))
+                    out = self._out_linear(mlp.down_proj, triton_gemm.gated_gemm(h, gu, pdl=pdl, prefetch=pf))
                 elif gu is not None:
                     gate, up = F.linear(h, gu).chunk(2, -1)
                     out = self._out_linear(mlp.down_proj, mlp.act(gate, up))
@@ -284,7 +284,7 @@ class ModelRunner:
             return linear(x)
         w = linear.weight
         split = max(1, triton_gemm.choose_split(w.shape[0], w.shape[1], self.num_sms, 32, 64) // 2)
-        return triton_gemm.splitk_gemm(x, w, split, block_n=32, block_k=64, pdl=self.pdl)
+        return triton_gemm.splitk_gemm(x, w, split, block_n=32, block_k=64, pdl=self.pdl, prefetch=self.cfg.pdl_prefetch)
 
     @torch.no_grad()
     def prefill(self, input_ids, positions, slots, meta: AttnBatch, logits_index):

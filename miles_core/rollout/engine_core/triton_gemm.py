@@ -60,7 +60,7 @@ if triton is not None:
     def _splitk_kernel(
         X, W, P, M, N, K, s_xm, s_wn, s_ps, s_pm,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
-        EVEN_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr,
+        EVEN_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         s = tl.program_id(1)
@@ -71,7 +71,7 @@ if triton is not None:
         rm = (offs_m % M).to(tl.int64)
         rn = (offs_n % N).to(tl.int64)
         k0 = s * (K_ITERS * BLOCK_K)  # first K of this split (a multiple of BLOCK_K)
-        prefetch_rows(W, rn, s_wn, k0, tl.minimum(k0 + K_ITERS * BLOCK_K, K), LINE, LINES, PDL)  # weights: before the wait
+        prefetch_rows(W, rn, s_wn, k0, tl.minimum(k0 + K_ITERS * BLOCK_K, K), LINE, LINES, PREFETCH)  # weights: before the wait
         pdl_wait(PDL)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x_ptrs = X + rm[:, None] * s_xm + offs_k[None, :]
@@ -99,7 +99,7 @@ if triton is not None:
     def _gated_kernel(
         X, W, O, M, I, K, s_xm, s_wn, s_om,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-        PDL: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr,
+        PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr,
     ):
         """``O[:, n] = silu(X @ W[n].T) * (X @ W[I + n].T)`` for a [BLOCK_M, BLOCK_N] tile: the gate and
         up rows of the fused weight as two accumulators, rounded to the output dtype and combined as
@@ -110,8 +110,8 @@ if triton is not None:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = (offs_m % M).to(tl.int64)
         rn = (offs_n % I).to(tl.int64)
-        prefetch_rows(W, rn, s_wn, 0, K, LINE, LINES, PDL)  # gate rows, then up rows: before the wait
-        prefetch_rows(W, rn + I, s_wn, 0, K, LINE, LINES, PDL)
+        prefetch_rows(W, rn, s_wn, 0, K, LINE, LINES, PREFETCH)  # gate rows, then up rows: before the wait
+        prefetch_rows(W, rn + I, s_wn, 0, K, LINE, LINES, PREFETCH)
         pdl_wait(PDL)
         offs_k = tl.arange(0, BLOCK_K)
         x_ptrs = X + rm[:, None] * s_xm + offs_k[None, :]
@@ -147,11 +147,12 @@ if triton is not None:
 
 
 def gated_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: int = 64, num_warps: int = 4,
-               num_stages: int = 4, pdl: bool = False) -> torch.Tensor:
+               num_stages: int = 4, pdl: bool = False, prefetch: bool = True) -> torch.Tensor:
     """x [M, K], w [2I, K] (the fused gate/up weight, gate rows first) -> ``silu(x @ w[:I].T) * (x @ w[I:].T)``
     [M, I] in x's dtype, in one kernel: the MLP's gate/up GEMM with the SwiGLU as its epilogue (no
     [M, 2I] intermediate, no SwiGLU kernel). Each program streams ``2 * block_n`` weight rows.
-    ``pdl``: launched as a programmatic dependent, prefetching its weight rows before the wait (:mod:`.triton_pdl`)."""
+    ``pdl``: launched as a programmatic dependent, and with ``prefetch`` prefetching its weight rows into L2
+    before the wait (:mod:`.triton_pdl`)."""
     m, k = x.shape
     n2, k2 = w.shape
     assert k == k2 and n2 % 2 == 0, (x.shape, w.shape)
@@ -166,7 +167,7 @@ def gated_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: int
     _gated_kernel[(_cdiv(inter, block_n), _cdiv(m, bm))](
         x, w, out, m, inter, k, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32,
-        PDL=pdl, LINE=line, LINES=nlines, num_warps=num_warps, num_stages=num_stages, **triton_pdl.launch_opts(pdl),
+        PDL=pdl, PREFETCH=pdl and prefetch, LINE=line, LINES=nlines, num_warps=num_warps, num_stages=num_stages, **triton_pdl.launch_opts(pdl),
     )
     return out
 
@@ -181,11 +182,12 @@ def block_m(m: int) -> int:
 
 
 def splitk_gemm(x: torch.Tensor, w: torch.Tensor, split_k: int, block_n: int = 32, block_k: int = 128,
-                num_warps: int = 4, num_stages: int = 4, pdl: bool = False, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                num_warps: int = 4, num_stages: int = 4, pdl: bool = False, out_dtype: torch.dtype = torch.float32,
+                prefetch: bool = True) -> torch.Tensor:
     """x [M, K] (unit last stride), w [N, K] (nn.Linear weight, unit last stride) -> fp32 partials [split_k, M, N]; sum(0) == x @ w.T.
 
     ``out_dtype``: the partials' dtype (with ``split_k=1``, x's dtype gives ``x @ w.T`` rounded as ``F.linear``'s
-    output, for :func:`gemm`). ``pdl``: see :func:`gated_gemm`."""
+    output, for :func:`gemm`). ``pdl``, ``prefetch``: see :func:`gated_gemm`."""
     m, k = x.shape
     n, k2 = w.shape
     assert k == k2, (x.shape, w.shape)
@@ -206,15 +208,15 @@ def splitk_gemm(x: torch.Tensor, w: torch.Tensor, split_k: int, block_n: int = 3
         x, w, partial, m, n, k, x.stride(0), w.stride(0), partial.stride(0), partial.stride(1),
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_iters,
         EVEN_K=k % block_k == 0 and kb == k_iters * split_k, IEEE=x.dtype == torch.float32,
-        PDL=pdl, LINE=line, LINES=nlines, num_warps=num_warps, num_stages=num_stages, **triton_pdl.launch_opts(pdl),
+        PDL=pdl, PREFETCH=pdl and prefetch, LINE=line, LINES=nlines, num_warps=num_warps, num_stages=num_stages, **triton_pdl.launch_opts(pdl),
     )
     return partial
 
 
-def gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: int = 64, pdl: bool = False) -> torch.Tensor:
+def gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: int = 64, pdl: bool = False, prefetch: bool = True) -> torch.Tensor:
     """``x @ w.T`` [M, N] in x's dtype through the split-K kernel with one split (the decode step's q/k/v
     GEMM when the step's kernels are chained by PDL, so that it prefetches its weights as the others do)."""
-    return splitk_gemm(x, w, 1, block_n=block_n, block_k=block_k, pdl=pdl, out_dtype=x.dtype)[0]
+    return splitk_gemm(x, w, 1, block_n=block_n, block_k=block_k, pdl=pdl, out_dtype=x.dtype, prefetch=prefetch)[0]
 
 
 def reduce_splits(partial: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

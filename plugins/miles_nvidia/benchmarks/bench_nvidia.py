@@ -300,8 +300,8 @@ def bench_parts(quick: bool):
     shapes; the row and column quantisers at several launch shapes, in TB/s of 3 bytes per element."""
     from miles_nvidia.fp8.gemm import fp8_gemm, fp8_gemm_triton
     from miles_nvidia.fp8.linear import Fp8Weight
-    from miles_nvidia.fp8.quant import quantize_act, quantize_act_rows_blocks, quantize_act_t, quantize_act_t_blocks
-    from miles_nvidia.fp8.quant_triton import quantize_act_rows_blocks_triton, quantize_act_t_triton, quantize_act_triton
+    from miles_nvidia.fp8.quant import quantize_act, quantize_act_t, quantize_act_t_blocks
+    from miles_nvidia.fp8.quant_triton import quantize_act_t_triton, quantize_act_triton
 
     m = 4096 if quick else 16384
     shapes = {k: v for k, v in SHAPES.items() if k.startswith("8B")}
@@ -340,10 +340,7 @@ def bench_parts(quick: bool):
                 "fp8 wgrad, dy in 128x128 blocks": lambda: fp8_gemm(qdyb, sdyb, qxt, sxt, 1, torch.bfloat16, "scaled_mm", a_rows=128),
                 "quantise x in 128x128 blocks (+ q.T copy)": lambda: quantize_weight(x, transposed=True),
                 "quantise x.T 1x128 tiles (module)": lambda: quantize_act_t(x),
-                "quantise x rows, then x.T blocks (two reads)": lambda: quantize_act_t_blocks(x, quantize_act(x)[1]),
-                "quantise x rows + x.T blocks, one read (module)": lambda: quantize_act_rows_blocks(x),
-                "one read, sub 64": lambda: quantize_act_rows_blocks_triton(x, sub=64),
-                "one read, 8 warps": lambda: quantize_act_rows_blocks_triton(x, warps=8),
+                "quantise x rows, then x.T blocks (module, blocks mode)": lambda: quantize_act_t_blocks(x, quantize_act(x)[1]),
             }
         from miles_nvidia.fp8.gemm import TRITON_SWEEP
 

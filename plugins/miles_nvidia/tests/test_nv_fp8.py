@@ -203,13 +203,6 @@ def test_act_quantisers_bitwise_equal_torch(m, k, device):
     assert torch.equal(_bits(qb), _bits(rqb)) and torch.equal(sb, rsb)
     qt3, st3 = quantize_act_t_triton(x, pad=512)  # the 1x128 tiles with the same padding (dy.T in that mode)
     assert torch.equal(_bits(qt3), _bits(quantize_blockwise(torch.nn.functional.pad(x, (0, 0, 0, mb - m)).t(), 1)[0]))
-    # the forward of that mode: both quantisations of x from one read (row pieces, then column pieces)
-    from miles_nvidia.fp8.quant_triton import quantize_act_rows_blocks_triton
-
-    for sub in (32, 64):
-        q4, s4, qb4, sb4 = quantize_act_rows_blocks_triton(x, 512, sub=sub)
-        assert torch.equal(_bits(q4), _bits(rq)) and torch.equal(s4, rs) and s4.t().is_contiguous()
-        assert torch.equal(_bits(qb4), _bits(rqb)) and torch.equal(sb4, rsb)
 
 
 def test_weight_quantiser_bitwise_and_transposed(device):
@@ -285,11 +278,6 @@ def test_gpu_quantisers_bitwise_full_shapes(m, k):
     rqb, rsb = quantize_blockwise(torch.nn.functional.pad(x, (0, 0, 0, mb - m)).t(), 128)
     qb, sb = quantize_act_t_blocks(x, s)
     assert torch.equal(_bits(qb), _bits(rqb)) and torch.equal(sb, rsb)
-    from miles_nvidia.fp8.quant import quantize_act_rows_blocks
-
-    q4, s4, qb4, sb4 = quantize_act_rows_blocks(x)  # the blocks mode's forward: one kernel, both layouts
-    assert torch.equal(_bits(q4), _bits(rq)) and torch.equal(s4, rs)
-    assert torch.equal(_bits(qb4), _bits(rqb)) and torch.equal(sb4, rsb)
 
 
 @pytest.mark.gpu
@@ -495,23 +483,35 @@ def test_trainer_optimizer_step_invalidates_the_weight_cache():
         assert torch.equal(y, fp8_linear(torch.ones(2, lin.in_features, dtype=torch.bfloat16), lin.weight, lin.fp8_backend))
 
 
-def test_backward_keeps_x_transposed_in_fp8_and_its_wgrad_is_unchanged():
-    """The forward quantises x and x.T in one read and keeps only q(x.T) (1 byte an element) for the
-    weight gradient, not a bf16 copy of x; dW is exactly the GEMM of q(dy.T) and q(x.T) that the
-    backward used to quantise itself; a no-grad forward keeps nothing."""
-    from miles_nvidia.fp8.quant import quantize_act_t
+@pytest.mark.parametrize("mode", [None, "tiles"])  # None: the default, MILES_FP8_WGRAD unset (blocks)
+def test_backward_keeps_x_transposed_in_fp8_and_its_wgrad_is_unchanged(mode, monkeypatch):
+    """The forward keeps only q(x.T) (1 byte an element) for the weight gradient, not a bf16 copy of x:
+    in 128x128 blocks by default (tokens padded to 512), in 1x128 tiles along the tokens with
+    MILES_FP8_WGRAD=tiles; dW is exactly the GEMM of q(dy.T) and that q(x.T); a no-grad forward keeps nothing."""
+    from miles_nvidia.fp8.quant import quantize_act, quantize_act_t, quantize_act_t_blocks
 
+    if mode is None:
+        monkeypatch.delenv("MILES_FP8_WGRAD", raising=False)
+    else:
+        monkeypatch.setenv("MILES_FP8_WGRAD", mode)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 50, 256, generator=g, dtype=torch.bfloat16).requires_grad_()  # 150 tokens: ragged tile
     w = (torch.randn(384, 256, generator=g) * 0.05).to(torch.bfloat16).requires_grad_()
     dy = torch.randn(3, 50, 384, generator=g, dtype=torch.bfloat16)
     y = fp8_linear(x, w, backend="emulated")
     saved = y.grad_fn.saved_tensors
-    assert [t.dtype for t in saved] == [torch.float8_e4m3fn, torch.float32] and saved[0].shape == (256, 256)  # [K, Mp]
+    mp = 256 if mode == "tiles" else 512
+    assert [t.dtype for t in saved] == [torch.float8_e4m3fn, torch.float32] and saved[0].shape == (256, mp)  # [K, Mp]
     gx, gw = torch.autograd.grad(y, (x, w), dy)
-    qdyt, sdyt = quantize_act_t(dy.reshape(-1, 384))
-    qxt, sxt = quantize_act_t(x.detach().reshape(-1, 256))
-    assert torch.equal(gw, fp8_gemm(qdyt, sdyt, qxt, sxt, 1, torch.bfloat16, "emulated"))
+    x2 = x.detach().reshape(-1, 256)
+    qdyt, sdyt = quantize_act_t(dy.reshape(-1, 384), pad=mp)
+    if mode == "tiles":
+        qxt, sxt = quantize_act_t(x2)
+        assert torch.equal(gw, fp8_gemm(qdyt, sdyt, qxt, sxt, 1, torch.bfloat16, "emulated"))
+    else:
+        qxt, sxt = quantize_act_t_blocks(x2, quantize_act(x2)[1])
+        assert sxt.shape == (2, mp // 128)  # one scale per 128 channels x 128 tokens
+        assert torch.equal(gw, fp8_gemm(qdyt, sdyt, qxt, sxt, 128, torch.bfloat16, "emulated"))
     with torch.no_grad():
         y0 = fp8_linear(x, w, backend="emulated")
     assert y0.grad_fn is None and torch.equal(y0, y.detach())

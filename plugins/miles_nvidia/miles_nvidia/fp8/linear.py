@@ -2,28 +2,32 @@
 
 Forward ``y = x @ W.T`` with x [M, K] in 1x128 tiles and W [N, K] in 128x128 blocks; backward does
 both GEMMs in FP8 as well: ``dx = dy @ W`` (dy [M, N] in 1x128 tiles along N, ``q(W).T`` [K, N] with
-the transposed block scales) and ``dW = dy.T @ x`` (dy.T [N, Mp] and x.T [K, Mp] in 1x128 tiles along
-the token dim, Mp = M rounded up to 128 with zero tokens), all accumulated in fp32 and returned in
-the input's / weight's dtype. Master weights stay in bf16 (``param_dtype``), so the optimizer never
-sees FP8. Quantisation per training step of one linear: x and x.T (forward; x.T is what backward
-keeps, in FP8: 1 byte per element instead of a bf16 copy of x), dy and dy.T (backward), each pair by
-the column kernel and then the row kernel (``MILES_FP8_BOTH=fused``: one read, one kernel, slower on
-the H200), and the weight once per optimizer step (below; its transposed copy q(W).T is a torch
-copy, see :mod:`miles_nvidia.fp8.quant_triton` for why).
+the transposed block scales) and ``dW = dy.T @ x`` (dy.T [N, Mp] in 1x128 tiles along the token dim,
+x.T [K, Mp] in 128x128 blocks by default, below; Mp = M rounded up with zero tokens), all accumulated
+in fp32 and returned in the input's / weight's dtype. Master weights stay in bf16 (``param_dtype``), so
+the optimizer never sees FP8. Quantisation per training step of one linear: x and x.T (forward; x.T is
+what backward keeps, in FP8: 1 byte per element instead of a bf16 copy of x), dy and dy.T (backward),
+each pair by two streaming kernels, and the weight once per optimizer step (below; its transposed copy
+q(W).T is a torch copy, see :mod:`miles_nvidia.fp8.quant_triton` for why).
 
-Weight-gradient operand (``MILES_FP8_WGRAD``): ``tiles`` (default) quantises x.T in 1x128 tiles
-along the tokens, as DeepSeek-V3 does, and the wgrad GEMM is ``torch._scaled_mm``'s 1x128 x 1x128
-form; ``blocks`` quantises x.T in 128x128 blocks (scales from the forward's row tiles, token dim
-padded to a multiple of 512 for cuBLAS) so that the wgrad runs the 1x128 x 128x128 form of the
-forward and dgrad GEMMs. On the H200 (2026-12-04, ``bench_nvidia.py --only parts``, M = 16384) the
-8B gate_up wgrad took 3.91 ms as tiles and 2.54 ms as blocks, at the same error against the fp32
-product on random data (3.6e-2 vs 3.7e-2); a block shares one scale over 128 tokens x 128 channels,
-so values much smaller than the block's largest lose relative precision (e4m3 keeps its 3 mantissa
-bits down to about 3.5e-5 of the block's largest value, then subnormals). dy stays in 1x128 tiles.
-``dy_blocks`` does the reverse: x.T in tiles, dy.T in 128x128 blocks (scales from dy's row tiles),
-against DeepSeek-V3's finding that block-quantised activation gradients made an MoE model diverge;
-it is there to be measured. The 200-step quickstart loss (bf16 1.3910) on the H200, 2026-12-04: tiles
-0.28% off, blocks 2.55%, dy_blocks 4.50%; 8B gate_up forward+backward 1.32x, 1.47x, 1.44x bf16.
+Weight-gradient operands (``MILES_FP8_WGRAD``), a departure from DeepSeek-V3 by default:
+
+* ``blocks`` (default): x.T in 128x128 blocks (128 channels x 128 tokens; a block's scale is the max of
+  the forward's row-tile scales, so no amax pass; tokens padded to a multiple of 512 for cuBLAS), dy.T in
+  1x128 tiles: the wgrad runs cuBLAS's 1x128 x 128x128 form, as the forward and dgrad do;
+* ``tiles``: x.T in 1x128 tiles along the tokens too, as DeepSeek-V3 does: the 1x128 x 1x128 form,
+  which cuBLAS runs at about 850 TFLOP/s against 1,250-1,330 for the other (H200, 8B shapes);
+* ``dy_blocks``: dy.T in 128x128 blocks, x.T in tiles (DeepSeek-V3 reports block-quantised activation
+  gradients hurting training; here to be measured).
+
+Why ``blocks`` is the default (H200 and this repo's CPU, 2026-12-04; docs/benchmarks.md, session 10):
+8B gate_up forward+backward 1.41x bf16 against 1.30x for ``tiles``; on the activations and gradients of a
+real model (SmolLM2-135M on English text, ``plugins/miles_nvidia/benchmarks/fp8_wgrad_error.py``) its dW error is 1.00-1.04x
+the error of ``tiles`` per layer kind (``dy_blocks``: 1.04-1.35x); the 200-step quickstart loss over 16
+seeds is +0.60% from bf16 (``tiles`` +0.51%, fp32 +0.34%: one seed alone moves by up to 5%). A block
+shares one scale over 128 tokens x 128 channels, so a value far below the block's largest keeps less
+relative precision than in its own tile (e4m3 keeps 3 mantissa bits down to about 3.5e-5 of the
+scale's amax); where that matters, ``MILES_FP8_WGRAD=tiles`` gives DeepSeek-V3's recipe.
 
 Weight cache (departure from DeepSeek-V3's "quantise on the fly" and from this module's first
 version): :class:`Fp8Linear` keeps, on the module instance, one quantisation of its weight --
@@ -54,7 +58,7 @@ from torch import nn
 
 from miles_core.precision.base import PrecisionRecipe
 from miles_nvidia.fp8.gemm import fp8_gemm, fp8_gemm_triton
-from miles_nvidia.fp8.quant import BLOCK, quantize_act, quantize_act_rows_blocks, quantize_act_t, quantize_act_t_blocks, quantize_weight
+from miles_nvidia.fp8.quant import BLOCK, quantize_act, quantize_act_t, quantize_act_t_blocks, quantize_weight
 
 
 def wgrad_gemm() -> tuple[str, tuple[int, int, int, int] | None]:
@@ -70,14 +74,14 @@ def wgrad_gemm() -> tuple[str, tuple[int, int, int, int] | None]:
     return "triton", cfg
 
 
-WGRAD_MODES = ("tiles", "blocks", "dy_blocks")
+WGRAD_MODES = ("blocks", "tiles", "dy_blocks")
 
 
 def wgrad_mode() -> str:
-    """``MILES_FP8_WGRAD``: the weight-gradient GEMM's operands (see the module docstring). ``tiles``
-    (default): dy.T and x.T both in 1x128 tiles along the tokens; ``blocks``: x.T in 128x128 blocks;
+    """``MILES_FP8_WGRAD``: the weight-gradient GEMM's operands (see the module docstring). ``blocks``
+    (default): x.T in 128x128 blocks; ``tiles``: dy.T and x.T both in 1x128 tiles along the tokens;
     ``dy_blocks``: dy.T in 128x128 blocks. A block mode runs cuBLAS's 1x128 x 128x128 form."""
-    mode = os.environ.get("MILES_FP8_WGRAD", "tiles")
+    mode = os.environ.get("MILES_FP8_WGRAD", "blocks")
     if mode not in WGRAD_MODES:
         raise ValueError(f"MILES_FP8_WGRAD={mode!r}: one of {', '.join(WGRAD_MODES)}")
     return mode
@@ -143,11 +147,10 @@ class _Fp8LinearFn(torch.autograd.Function):
         if keep_xt and ctx.mode != "blocks":  # x's wgrad tiles (x.T along tokens), kept in FP8 for backward
             qxt, sxt, qx, sx = quantize_act_t(x2, both=True, pad=ctx.pad)
             ctx.save_for_backward(qxt, sxt)
-        elif keep_xt:  # blocks: x's row tiles and x.T's 128x128 blocks (scales: the max of the row tiles') in one pass
-            qx, sx, qxt, sxt = quantize_act_rows_blocks(x2, ctx.pad)
-            ctx.save_for_backward(qxt, sxt)
         else:
             qx, sx = quantize_act(x2)
+            if keep_xt:  # blocks: x.T's 128x128 block scales are the max of the row tiles' (one more read of x, no amax pass)
+                ctx.save_for_backward(*quantize_act_t_blocks(x2, sx, ctx.pad))
         y = fp8_gemm(qx, sx, wq.q, wq.s, BLOCK, torch.bfloat16, backend)
         ctx.wq, ctx.backend, ctx.shape, ctx.xdtype, ctx.wdtype = wq, backend, shape, x.dtype, weight.dtype
         return y.view(*shape[:-1], weight.shape[0])

@@ -85,16 +85,6 @@ def quantize_act_t_blocks(x: torch.Tensor, row_scales: torch.Tensor | None = Non
     return quantize_blockwise(_pad_rows(x, pad).t(), BLOCK)
 
 
-def quantize_act_rows_blocks(x: torch.Tensor, pad: int = 4 * BLOCK):
-    """The forward's quantisations in the ``blocks`` wgrad mode, in one pass over ``x`` on CUDA:
-    ``(q, s, qt, sb)`` = :func:`quantize_act` of ``x`` and :func:`quantize_act_t_blocks` of ``x``."""
-    if x.is_cuda:
-        from miles_nvidia.fp8.quant_triton import quantize_act_rows_blocks_triton
-
-        return quantize_act_rows_blocks_triton(x, pad)
-    return (*quantize_blockwise(x, 1), *quantize_blockwise(_pad_rows(x, pad).t(), BLOCK))
-
-
 def quantize_weight(w: torch.Tensor, transposed: bool = False):
     """128x128 blocks: ``w`` [N, K] -> ``q`` [N, K], ``scale`` [ceil(N/128), ceil(K/128)]; with
     ``transposed`` also ``q.T`` [K, N] contiguous (``q(W.T) == q(W).T``, scales ``scale.T``)."""

@@ -150,35 +150,6 @@ def _act_both_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, s_xm, s_qm, s_sk
 
 
 @triton.jit
-def _act_rows_blocks_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, sb_ptr, M, K, s_xm, s_qm, s_sk, s_qtk, s_sbk,
-                            SUB: tl.constexpr, TILE: tl.constexpr, QMAX: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """One [128 tokens, 128 channels] block of ``x``, read from DRAM once: pass 1 takes it as [SUB, 128]
-    row pieces (whole 1x128 tiles: row scales, row bytes) and keeps the largest row scale, which is the
-    block's scale; pass 2 reloads it (from cache) as [128, SUB] column pieces, quantises them with that
-    scale and stores them transposed (rows of 128 token bytes). Tokens M..Mp load as zeros."""
-    m0 = tl.program_id(0).to(tl.int64) * TILE
-    rk = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
-    for i in tl.static_range(TILE // SUB):
-        rm = m0 + i * SUB + tl.arange(0, SUB)
-        mask = (rm[:, None] < M) & (rk[None, :] < K)
-        x = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-        sr = _scale(tl.max(tl.abs(x), 1)[:, None], QMAX)  # [SUB, 1]
-        tl.store(q_ptr + rm[:, None] * s_qm + rk[None, :], _to_e4m3(_quant(x, sr, QMAX), EMULATE_RNE), mask=mask)
-        tl.store(s_ptr + tl.program_id(1) * s_sk + rm[:, None], sr, mask=rm[:, None] < M)
-        if i == 0:
-            sb = tl.max(sr, 0, keep_dims=True)  # [1, 1]
-        else:
-            sb = tl.maximum(sb, tl.max(sr, 0, keep_dims=True))
-    rt = m0 + tl.arange(0, TILE)
-    for j in tl.static_range(TILE // SUB):
-        kk = tl.program_id(1).to(tl.int64) * TILE + j * SUB + tl.arange(0, SUB)
-        x = tl.load(x_ptr + rt[:, None] * s_xm + kk[None, :], mask=(rt[:, None] < M) & (kk[None, :] < K), other=0.0).to(tl.float32)
-        qt = tl.trans(_bytes(_to_e4m3(_quant(x, sb, QMAX), EMULATE_RNE)))  # [SUB, TILE]
-        tl.store(qt_ptr + kk[:, None] * s_qtk + rt[None, :], qt, mask=kk[:, None] < K)
-    tl.store(sb_ptr + tl.program_id(1) * s_sbk + tl.program_id(0) + tl.zeros((1, 1), tl.int32), sb)
-
-
-@triton.jit
 def _weight_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, s_wn, s_qn, s_qtk, s_sn,
                    TILE: tl.constexpr, QMAX: tl.constexpr, TRANSPOSED: tl.constexpr, EMULATE_RNE: tl.constexpr):
     rn = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
@@ -311,27 +282,6 @@ def quantize_act_t_blocks_triton(x: torch.Tensor, row_scales: torch.Tensor, pad:
             x, qt.view(torch.int8), s, m, k, x.stride(0), qt.stride(0), s.stride(1), s.stride(0),
             BLOCK_K=32, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), GIVEN_SCALES=True, **_warps(4))
     return qt, s
-
-
-def quantize_act_rows_blocks_triton(x: torch.Tensor, pad: int = 4 * BLOCK, sub: int = 32, warps: int = 4):
-    """The forward's two quantisations of ``x`` [M, K] in blocks mode, from one read of x: ``(q, s, qt, sb)``,
-    ``q``/``s`` as :func:`quantize_act_triton` gives them (1x128 row tiles) and ``qt`` [K, Mp] / ``sb``
-    [ceil(K/128), Mp/128] as :func:`quantize_act_t_blocks_triton` (``pad(x, Mp).T`` in 128x128 blocks,
-    each block's scale the largest of its 128 tokens' row-tile scales). ``sub`` and ``warps`` shape the
-    launch (the benchmark sweeps them)."""
-    x = _unit_stride(x)
-    m, k = x.shape
-    mp = triton.cdiv(m, pad) * pad
-    kb = triton.cdiv(k, BLOCK)
-    q = torch.empty(m, k, dtype=E4M3, device=x.device)
-    st = torch.empty(kb, m, dtype=torch.float32, device=x.device)
-    qt = torch.empty(k, mp, dtype=E4M3, device=x.device)
-    sb = torch.empty(kb, mp // BLOCK, dtype=torch.float32, device=x.device)
-    if mp and k:
-        _act_rows_blocks_kernel[(mp // BLOCK, kb)](
-            x, q, st, qt.view(torch.int8), sb, m, k, x.stride(0), q.stride(0), st.stride(0), qt.stride(0), sb.stride(0),
-            SUB=sub, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(warps))
-    return q, st.t(), qt, sb
 
 
 def quantize_weight_triton(w: torch.Tensor, transposed: bool = False, fused: bool | None = None):
