@@ -24,6 +24,7 @@
 #   bash benchmarks/gpu_session.sh s10a     # rollout GPU tests (PDL on/off); rollout bench with PDL (default) and --no-pdl; engine profile at 64
 #   bash benchmarks/gpu_session.sh s10b     # FP8 GPU tests; FP8 tables by wgrad mode and the parts; the 200-step loss over 16 seeds
 #   bash benchmarks/gpu_session.sh s10c     # FP8 GPU tests and fwd+bwd tables with the blocks default; engine with PDL + prefetch, PDL alone, neither, and again
+#   bash benchmarks/gpu_session.sh s10d     # rollout GPU tests; rollout bench (PDL at <= 64 rows, the default) with HF, and --no-pdl
 #   bash benchmarks/gpu_session.sh fp8check   # the FP8 quantiser / module-gradient / path tests under the default (fused activation) kernels
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
 # Logs and JSON go to $OUT (the device tool brings them back).
@@ -180,6 +181,11 @@ print(min(t)[1].strip('()').replace(' ', '') if t else '')")
         OUT=$OUT/rb_${v%%:*} timeout 100 python3 benchmarks/rollout_bench.py --preset gpu --batches 1,64,256 --skip-hf ${v#*:} 2>&1 \
           | tee "$OUT/rollout_bench_${v%%:*}.log" | grep -E "^engine:|^ +(1|64|256) \|"
       done ;;
+    s10d)
+      timeout 150 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -3
+      OUT=$OUT/rb timeout 200 python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench.log" | tail -6
+      OUT=$OUT/rbn timeout 100 python3 benchmarks/rollout_bench.py --preset gpu --batches 1,64,256 --skip-hf --no-pdl 2>&1 \
+        | tee "$OUT/rollout_bench_nopdl.log" | tail -4 ;;
     fp8check)
       python3 -m pytest -q -rf --tb=short plugins/miles_nvidia/tests/test_nv_fp8.py -k "gpu_quantisers_bitwise or module_grads or gpu_paths" 2>&1 \
         | tee "$OUT/fp8check_tests.log" | tail -4 ;;

@@ -86,10 +86,20 @@ class ModelRunner:
         self.fused_kernels = self.use_triton and cfg.fused_kernels and self.fusable()
         self.splitk = self.fused_kernels and cfg.splitk_gemm  # o_proj / down_proj as split-K partials (triton_gemm.py)
         self.gated = self.fused_kernels and cfg.gated_gemm  # gate/up GEMM + SwiGLU in one kernel (triton_gemm.py)
-        self.pdl = self.fused_kernels and cfg.pdl and triton_pdl.supported(device)  # programmatic dependent launch
+        # programmatic dependent launch for steps of at most PDL_ROWS rows (see pdl_at)
+        self.pdl = self.fused_kernels and cfg.pdl and triton_pdl.supported(device)
         # flash varlen attention for prefills of fresh prompts (bf16/fp16 on the fast GPU path), or None
         half = self.dtype in (torch.bfloat16, torch.float16)
         self.varlen = causal_varlen() if self.use_triton and half else None
+
+    PDL_ROWS = 64
+
+    def pdl_at(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows chains its kernels by PDL: only up to 64 rows, where its GEMMs are
+        the Triton kernels that prefetch their weights. On the H200 (2026-12-04, docs/results/s10/call3_s10c) PDL
+        with the prefetch took batch 64 from 34.8k to 35.3-35.4k tok/s (PDL alone: 34.7k), while at batch 256,
+        with cuBLAS GEMMs and multi-wave attention, it cost 5-7% (55.7-57.4k against 60.1k)."""
+        return self.pdl and rows <= self.PDL_ROWS
 
     @property
     def varlen_prefill(self) -> bool:
@@ -240,12 +250,12 @@ class ModelRunner:
         cos, sin = self.rope_tables
         where = dict(slots=slots) if slots is not None else dict(block_tables=self.block_tables[:n], page=self.block_size)
         h = layers[0].input_layernorm(x)
-        pdl, pf = self.pdl, self.cfg.pdl_prefetch
+        pdl, pf = self.pdl_at(n), self.cfg.pdl_prefetch
         routed = []
         for i, layer in enumerate(layers):
             a = layer.self_attn
             norm = a.cfg.qk_norm
-            qkv = triton_gemm.gemm(h, self.qkv[i], pdl=True, prefetch=pf) if pdl and n <= 64 else F.linear(h, self.qkv[i])
+            qkv = triton_gemm.gemm(h, self.qkv[i], pdl=True, prefetch=pf) if pdl else F.linear(h, self.qkv[i])
             q = triton_fused.qkv_prologue(qkv, a.cfg.num_heads, self.kv_heads, d, a.q_norm.weight if norm else None,
                                           a.k_norm.weight if norm else None, a.q_norm.eps if norm else 0.0, positions, cos, sin,
                                           self.kv[i, 0], self.kv[i, 1], **where, pdl=pdl)
@@ -284,7 +294,7 @@ class ModelRunner:
             return linear(x)
         w = linear.weight
         split = max(1, triton_gemm.choose_split(w.shape[0], w.shape[1], self.num_sms, 32, 64) // 2)
-        return triton_gemm.splitk_gemm(x, w, split, block_n=32, block_k=64, pdl=self.pdl, prefetch=self.cfg.pdl_prefetch)
+        return triton_gemm.splitk_gemm(x, w, split, block_n=32, block_k=64, pdl=self.pdl_at(x.shape[0]), prefetch=self.cfg.pdl_prefetch)
 
     @torch.no_grad()
     def prefill(self, input_ids, positions, slots, meta: AttnBatch, logits_index):
@@ -314,7 +324,7 @@ class ModelRunner:
             attend = lambda q, kc, vc: paged_attention(q, kc, vc, meta, p)  # noqa: E731
         elif self.use_triton:
             splits = triton_decode.num_splits(bs, self.kv_heads, self.num_sms)
-            attend = lambda q, kc, vc: triton_decode.paged_decode(q, kc, vc, bt, ctx, p, splits, pdl=self.pdl)  # noqa: E731
+            attend = lambda q, kc, vc: triton_decode.paged_decode(q, kc, vc, bt, ctx, p, splits, pdl=self.pdl_at(bs))  # noqa: E731
         elif self._window is not None:
             attend = self._window.attend
         else:
