@@ -21,7 +21,7 @@
 #   bash benchmarks/gpu_session.sh s9e      # FP8 GEMM GPU tests; the rewritten Triton FP8 GEMM's wgrad sweep; fwd+bwd with its best launch as the wgrad
 #   bash benchmarks/gpu_session.sh s9f      # rollout GPU tests; rollout bench with the gated gate/up GEMM (default) and without; engine profile at 64
 #   bash benchmarks/gpu_session.sh s9g      # FP8 MILES_FP8_WGRAD=dy_blocks: GPU tests, the wgrad GEMM alone, fwd+bwd and the 200-step loss
-#   bash benchmarks/gpu_session.sh s10a     # rollout GPU tests (PDL on/off); rollout bench with PDL (default) and --no-pdl; engine profile at 64
+#   bash benchmarks/gpu_session.sh s10a     # as s10d below (run before PDL was limited to <= 64 rows; that call also profiled the engine at 64)
 #   bash benchmarks/gpu_session.sh s10b     # FP8 GPU tests; FP8 tables by wgrad mode and the parts; the 200-step loss over 16 seeds
 #   bash benchmarks/gpu_session.sh s10c     # FP8 GPU tests and fwd+bwd tables with the blocks default; engine with PDL + prefetch, PDL alone, neither, and again
 #   bash benchmarks/gpu_session.sh s10d     # rollout GPU tests; rollout bench (PDL at <= 64 rows, the default) with HF, and --no-pdl
@@ -162,11 +162,6 @@ print(min(t)[1].strip('()').replace(' ', '') if t else '')")
       timeout 60 python3 -m pytest -q -rf --tb=short plugins/miles_nvidia/tests/test_nv_fp8.py -k "a_in_blocks or module_grads" 2>&1 | tee "$OUT/fp8_tests.log" | tail -3
       OUT=$OUT/parts timeout 60 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only parts 2>&1 | tee "$OUT/fp8_parts.log" | grep -E "wgrad \(scaled|blocks" | head -12
       MILES_FP8_WGRAD=dy_blocks OUT=$OUT/dyb timeout 80 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8,loss 2>&1 | tee "$OUT/fp8_dy_blocks.log" | grep -A11 -E "forward\+backward|200 steps" | grep -E "8B|fp8|bf16" | head -16 ;;
-    s10a)
-      timeout 150 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -3
-      OUT=$OUT/rb timeout 170 python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench.log" | tail -6
-      OUT=$OUT/rbn timeout 90 python3 benchmarks/rollout_bench.py --preset gpu --batches 1,64,256 --skip-hf --no-pdl 2>&1 | tee "$OUT/rollout_bench_nopdl.log" | tail -4
-      timeout 60 python3 benchmarks/profile_gpu.py engine --batch 64 --new-tokens 256 2>&1 | tee "$OUT/profile_engine64.log" | grep -A14 -E "^engine:|kernel kind" ;;
     s10b)
       timeout 90 python3 -m pytest -q -rf --tb=short -m gpu plugins/miles_nvidia/tests/test_nv_fp8.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -3
       OUT=$OUT/fp8 timeout 150 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8,parts 2>&1 | tee "$OUT/fp8_bench.log" \
@@ -181,7 +176,7 @@ print(min(t)[1].strip('()').replace(' ', '') if t else '')")
         OUT=$OUT/rb_${v%%:*} timeout 100 python3 benchmarks/rollout_bench.py --preset gpu --batches 1,64,256 --skip-hf ${v#*:} 2>&1 \
           | tee "$OUT/rollout_bench_${v%%:*}.log" | grep -E "^engine:|^ +(1|64|256) \|"
       done ;;
-    s10d)
+    s10a|s10d)  # s10a ran before PDL was limited to <= 64 rows
       timeout 150 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -3
       OUT=$OUT/rb timeout 200 python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench.log" | tail -6
       OUT=$OUT/rbn timeout 100 python3 benchmarks/rollout_bench.py --preset gpu --batches 1,64,256 --skip-hf --no-pdl 2>&1 \

@@ -57,20 +57,20 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
-    def prefetch_l2(ptrs, PDL: tl.constexpr):
-        """``prefetch.global.L2`` of the 128-byte lines at ``ptrs`` (a block of pointers, one per line)."""
-        if PDL:
+    def prefetch_l2(ptrs, ON: tl.constexpr):
+        """``prefetch.global.L2`` of the 128-byte lines at ``ptrs`` (a block of pointers, one per line), if ``ON``."""
+        if ON:
             tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                                       is_pure=False, pack=1)
 
     @triton.jit
-    def prefetch_rows(W, rows, s_w, k_lo, k_hi, LINE: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr):
+    def prefetch_rows(W, rows, s_w, k_lo, k_hi, LINE: tl.constexpr, LINES: tl.constexpr, ON: tl.constexpr):
         """Prefetch ``W[rows, k_lo:k_hi]`` into L2, ``LINE`` elements per 128-byte line, ``LINES`` (a power of
         two, at least ``cdiv(k_hi - k_lo, LINE)``) lines per row; lines past ``k_hi`` repeat its last element
-        (an empty range, ``k_hi <= k_lo``, touches only ``k_hi - 1``: pass ``k_hi >= 1``)."""
-        if PDL:
+        (an empty range, ``k_hi <= k_lo``, touches only ``k_hi - 1``: pass ``k_hi >= 1``). Nothing unless ``ON``."""
+        if ON:
             offs = tl.minimum(k_lo + tl.arange(0, LINES) * LINE, k_hi - 1)
-            prefetch_l2(W + rows[:, None] * s_w + offs[None, :], PDL)
+            prefetch_l2(W + rows[:, None] * s_w + offs[None, :], ON)
 
 
 def lines(k_len: int, elem_bytes: int) -> tuple[int, int]:

@@ -139,6 +139,13 @@ def _fwd_bwd(layer, x, dy, params):
     return step
 
 
+def _operands(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [m, k], W [n, k] (scaled as an initialised weight) and dy [m, n], random bf16 on the device."""
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
+    return x, w, torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
+
+
 @contextlib.contextmanager
 def _env(name: str, value: str):
     old = os.environ.get(name)
@@ -164,9 +171,7 @@ def bench_fp8(quick: bool):
     out = []
     lin = (lambda x, w: x @ w.t()) if SMOKE["on"] else torch.compile(lambda x, w: x @ w.t())
     for name, (n, k) in shapes.items():
-        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
-        dy = torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
+        x, w, dy = _operands(m, n, k)
         qx, sx = quantize_act(x)
         qw, sw = quantize_weight(w)
         row = {"shape": name, "M": m, "N": n, "K": k}
@@ -309,9 +314,7 @@ def bench_parts(quick: bool):
         m, shapes = 256, {"smoke": (256, 128)}
     rows, qrows = [], []
     for name, (n, k) in shapes.items():
-        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
-        dy = torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
+        x, w, dy = _operands(m, n, k)
         qx, sx = quantize_act(x)
         qxt, sxt = quantize_act_t(x)
         qdyt, sdyt, qdy, sdy = quantize_act_t(dy, both=True)
