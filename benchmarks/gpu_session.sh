@@ -24,6 +24,7 @@
 #   bash benchmarks/gpu_session.sh s10a     # as s10d below (run before PDL was limited to <= 64 rows; that call also profiled the engine at 64)
 #   bash benchmarks/gpu_session.sh s10b     # FP8 GPU tests; FP8 tables by wgrad mode and the parts; the 200-step loss over 16 seeds
 #   bash benchmarks/gpu_session.sh s10c     # FP8 GPU tests and fwd+bwd tables with the blocks default; engine with PDL + prefetch, PDL alone, neither, and again
+#   bash benchmarks/gpu_session.sh s11a     # FP8 GPU tests (Markstein division exhaustive check, one-read tile kernel bytes); fwd+bwd in interleaved rounds by variant
 #   bash benchmarks/gpu_session.sh s10d     # rollout GPU tests; rollout bench (PDL at <= 64 rows, the default) with HF, and --no-pdl
 #   bash benchmarks/gpu_session.sh fp8check   # the FP8 quantiser / module-gradient / path tests under the default (fused activation) kernels
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
@@ -168,6 +169,10 @@ print(min(t)[1].strip('()').replace(' ', '') if t else '')")
         | grep -A6 -E "by weight-gradient" | head -8
       grep -E "quantise x|wgrad, x in|wgrad \(scaled" "$OUT/fp8_bench.log" | head -24
       OUT=$OUT/loss timeout 300 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only loss --seeds 16 2>&1 | tee "$OUT/loss.log" | tail -9 ;;
+    s11a)
+      timeout 150 python3 -m pytest -q -rf --tb=short -m gpu plugins/miles_nvidia/tests/test_nv_fp8.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -4
+      OUT=$OUT/fp8 timeout 240 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8 2>&1 | tee "$OUT/fp8_bench.log" \
+        | grep -A70 -E "interleaved rounds" | grep -E "8B|shape|##" ;;
     s10c)
       timeout 90 python3 -m pytest -q -rf --tb=short -m gpu plugins/miles_nvidia/tests/test_nv_fp8.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -3
       OUT=$OUT/fp8 timeout 120 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8 2>&1 | tee "$OUT/fp8_bench.log" \

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -129,6 +130,21 @@ SHAPES = {  # name: (N, K) of x[M, K] @ W[N, K].T
 }
 
 
+ROUNDS = 5
+# forward+backward variants, by the environment each runs under (the module reads it per call)
+FWD_BWD_VARIANTS = {
+    "blocks (default)": {},
+    "tiles": {"MILES_FP8_WGRAD": "tiles"},
+    "dy_blocks": {"MILES_FP8_WGRAD": "dy_blocks"},
+    "blocks, markstein": {"MILES_FP8_DIV": "markstein"},
+    "blocks, tile": {"MILES_FP8_BOTH": "tile"},
+    "blocks, tile, markstein": {"MILES_FP8_BOTH": "tile", "MILES_FP8_DIV": "markstein"},
+}
+# dy's two layouts: (kernel, one-read kernel's warps, division)
+DY_VARIANTS = {f"{k}{f' warps={w}' if k == 'tile' else ''} {d}": (k, w, d)
+               for k, ws in (("split", (8,)), ("tile", (8, 16))) for w in ws for d in ("rn", "markstein")}
+
+
 def _fwd_bwd(layer, x, dy, params):
     """One micro-batch: forward, backward(dy) into x.grad and the weight's grad, grads reset."""
     def step():
@@ -161,8 +177,8 @@ def _env(name: str, value: str):
 
 def bench_fp8(quick: bool):
     from miles_nvidia.fp8.gemm import fp8_gemm
-    from miles_nvidia.fp8.linear import WGRAD_MODES, Fp8Linear, Fp8Weight, fp8_linear, wgrad_mode
-    from miles_nvidia.fp8.quant import quantize_act, quantize_act_t, quantize_weight
+    from miles_nvidia.fp8.linear import Fp8Linear, Fp8Weight, fp8_linear
+    from miles_nvidia.fp8.quant import quantize_act, quantize_act_both, quantize_act_t, quantize_weight
 
     m = 4096 if quick else 16384
     shapes = SHAPES
@@ -194,33 +210,28 @@ def bench_fp8(quick: bool):
         # quantisers alone, and the wgrad GEMM forced onto scaled_mm (a layout error would show here)
         row["quant_x_ms"] = timeit(lambda: quantize_act(x))
         row["quant_x_gbs"] = 3 * m * k / (row["quant_x_ms"] * 1e-3) / 1e9  # read 2 B + write 1 B per element
-        # dy's two layouts unfused (torch's transposing copy + the row kernel) and fused (the default, issue #7):
-        # their times, and how many bytes of the fused q(dy.T) differ from the unfused one
-        from miles_nvidia.fp8.quant_triton import quantize_act_t_triton
-        row["quant_dy_both_ms"] = timeit(lambda: quantize_act_t_triton(dy, both=True, fused=False))
-        row["quant_dy_both_fused_ms"] = timeit(lambda: quantize_act_t_triton(dy, both=True, fused=True))
-        row["quant_dy_both_fused_bad_bytes"] = int((quantize_act_t_triton(dy, both=True, fused=True)[0].view(torch.uint8)
-                                                    != quantize_act_t_triton(dy, both=True, fused=False)[0].view(torch.uint8)).sum())
-        # the variants of dy's two layouts (issue #7: the one-read kernel ran at ~0.6 TB/s on the H200): its
-        # sub-tile rows x warps, and the split path (column kernel + row kernel, two reads); bytes moved per
-        # element: 2 read + 1 + 1 written (split: 4 read + 2 written)
-        # split=False explicitly: the one-read rows must not follow MILES_FP8_BOTH (a session-8 run under
-        # MILES_FP8_BOTH=split timed the split path in every row)
-        variants = {f"one-read sub_m={sm} warps={wp}": dict(sub_m=sm, warps=wp, split=False) for sm in (16, 32, 64) for wp in (8, 16)}
-        variants["split (cols + rows kernels)"] = dict(split=True)
-        ref_bytes = quantize_act_t_triton(dy, both=True, fused=False)
+        # dy's two layouts (issue #7): unfused (torch's transposing copy + the row kernel), and the variants of
+        # the fused path -- two kernels (split, the default) or one read per [128, 128] tile, each with an IEEE
+        # division per element (rn, the default) or Markstein's reciprocal-and-correction; their bytes must
+        # equal the unfused path's (bytes moved per element: split 4 read + 2 written, tile 2 + 2)
+        from miles_nvidia.fp8.quant_triton import quantize_act_both_triton
+        with _env("MILES_FP8_FUSED_TRANSPOSE", "0"):
+            ref_bytes = quantize_act_both_triton(dy, 128)
+            row["quant_dy_both_ms"] = timeit(lambda: quantize_act_both_triton(dy, 128))
         row["dy_variants"] = {}
-        for vname, kw in variants.items():
+        for vname, (kernel, warps, div) in DY_VARIANTS.items():
             try:
-                got = quantize_act_t_triton(dy, both=True, fused=True, **kw)
-                bad = sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in ((got[0], ref_bytes[0]), (got[2], ref_bytes[2])))
-                ms = timeit(lambda kw=kw: quantize_act_t_triton(dy, both=True, fused=True, **kw))
-                row["dy_variants"][vname] = {"ms": ms, "tb_s": 4 * m * n / (ms * 1e-3) / 1e12, "bad_bytes": bad}
+                with _env("MILES_FP8_DIV", div):
+                    got = quantize_act_both_triton(dy, 128, kernel=kernel, warps=warps)
+                    bad = sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) + int((sa != sb).sum())
+                              for a, b, sa, sb in ((got[0], ref_bytes[0], got[1], ref_bytes[1]), (got[2], ref_bytes[2], got[3], ref_bytes[3])))
+                    ms = timeit(lambda: quantize_act_both_triton(dy, 128, kernel=kernel, warps=warps))
+                row["dy_variants"][vname] = {"ms": ms, "tb_s": (4 if kernel == "tile" else 6) * m * n / (ms * 1e-3) / 1e12, "bad_bytes": bad}
             except Exception as exc:  # a config that does not compile (registers) is reported, not fatal
                 row["dy_variants"][vname] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
         del ref_bytes
         row["quant_w_ms"] = timeit(lambda: quantize_weight(w, transposed=True))
-        qdyt, sdyt, qdy, sdy = quantize_act_t(dy, both=True)
+        qdy, sdy, qdyt, sdyt = quantize_act_both(dy)
         qxt, sxt = quantize_act_t(x)
         wq = Fp8Weight.of(w)
         gemms = {"dgrad": lambda: fp8_gemm(qdy, sdy, wq.qt, wq.st, 128, torch.bfloat16, "scaled_mm"),
@@ -245,9 +256,16 @@ def bench_fp8(quick: bool):
                 row["fp8_module_fwd_ms"] = timeit(lambda: mod(x))
             row["fp8_module_fwd_bwd_ms"] = timeit(_fwd_bwd(mod, xg, dy, [mod.weight]), 3, 20)
             row["fp8_module_weight_quantisations"] = mod.fp8_cache.quantisations  # 1: every timed call hit the cache
-            for mode in WGRAD_MODES:  # each wgrad operand layout, same process, same tensors
-                with _env("MILES_FP8_WGRAD", mode):
-                    row[f"fp8_fwd_bwd_{mode}_ms"] = timeit(_fwd_bwd(mod, xg, dy, [mod.weight]), 3, 20)
+            # every recipe variant against bf16 in interleaved rounds (the H200's speed drifts by 5% within a run:
+            # one FP8 mode timed 9.80 and 10.36 ms minutes apart in session 10): the median of ROUNDS
+            row["rounds"] = {name: [] for name in ("bf16", *FWD_BWD_VARIANTS)}
+            for _ in range(1 if SMOKE["on"] else ROUNDS):
+                row["rounds"]["bf16"].append(timeit(_fwd_bwd(ref, xg, dy, [ref.weight]), 2, 20))
+                for vname, env in FWD_BWD_VARIANTS.items():
+                    with contextlib.ExitStack() as st:
+                        for kv in env.items():
+                            st.enter_context(_env(*kv))
+                        row["rounds"][vname].append(timeit(_fwd_bwd(mod, xg, dy, [mod.weight]), 2, 20))
         except Exception as exc:
             row["fp8_module_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         best = min(row.get("fp8_scaled_mm_gemm_ms", float("inf")), row.get("fp8_triton_gemm_ms", float("inf")))
@@ -264,20 +282,22 @@ def bench_fp8(quick: bool):
     table(f"FP8 blockwise (1x128 act, 128x128 weight) vs bf16, forward, M={m}", ["shape", "N", "K", "bf16 ms", "bf16 compile ms", "fp8 scaled_mm ms", "fp8 triton ms", "fp8 linear+quant ms", "fp8 module fwd ms", "GEMM speedup", "linear speedup", "module fwd speedup"],
           [[r["shape"], r["N"], r["K"], f(r, "bf16_eager_ms"), f(r, "bf16_compile_ms"), f(r, "fp8_scaled_mm_gemm_ms"), f(r, "fp8_triton_gemm_ms"),
             f(r, "fp8_linear_incl_quant_ms"), f(r, "fp8_module_fwd_ms"), f"{r['speedup_gemm']:.2f}x", f"{r['speedup_linear_incl_quant']:.2f}x", f"{r['speedup_module_fwd']:.2f}x"] for r in out])
-    table(f"FP8 linear forward+backward vs bf16 (dx and dW), M={m}", ["shape", "bf16 fwd+bwd ms", "fp8 module fwd+bwd ms", "fwd+bwd speedup", "quant x ms", "quant x GB/s", "quant dy (both) ms", "fused ms", "fused bad bytes", "quant W (+W.T) ms", "dgrad scaled_mm ms", "wgrad scaled_mm ms", "W quantisations"],
+    table(f"FP8 linear forward+backward vs bf16 (dx and dW), M={m}", ["shape", "bf16 fwd+bwd ms", "fp8 module fwd+bwd ms", "fwd+bwd speedup", "quant x ms", "quant x GB/s", "quant dy (both, unfused) ms", "quant W (+W.T) ms", "dgrad scaled_mm ms", "wgrad scaled_mm ms", "W quantisations"],
           [[r["shape"], f(r, "bf16_fwd_bwd_ms"), f(r, "fp8_module_fwd_bwd_ms"), f"{r['speedup_fwd_bwd']:.2f}x", f(r, "quant_x_ms"), f"{r['quant_x_gbs']:.0f}",
-            f(r, "quant_dy_both_ms"), f(r, "quant_dy_both_fused_ms"), r["quant_dy_both_fused_bad_bytes"], f(r, "quant_w_ms"), f(r, "fp8_dgrad_scaled_mm_ms"),
+            f(r, "quant_dy_both_ms"), f(r, "quant_w_ms"), f(r, "fp8_dgrad_scaled_mm_ms"),
             f(r, "fp8_wgrad_scaled_mm_ms"), r.get("fp8_module_weight_quantisations", "err")] for r in out])
     print(FP8_LEGEND)
-    table(f"FP8 linear forward+backward by weight-gradient operand layout (MILES_FP8_WGRAD; default {wgrad_mode()}), M={m}, "
-          "speedup over bf16 in brackets", ["shape", "bf16 ms", *WGRAD_MODES],
-          [[r["shape"], f(r, "bf16_fwd_bwd_ms"), *(f"{r[f'fp8_fwd_bwd_{md}_ms']:.3f} ({r['bf16_fwd_bwd_ms'] / r[f'fp8_fwd_bwd_{md}_ms']:.2f}x)"
-                                                  if f"fp8_fwd_bwd_{md}_ms" in r else "err" for md in WGRAD_MODES)] for r in out])
+    med = lambda r, v: statistics.median(r["rounds"][v])  # noqa: E731
+    table(f"FP8 linear forward+backward against bf16, {ROUNDS} interleaved rounds of 20 calls each, M={m}: median ms "
+          "(speedup over bf16's median) [slowest/fastest round]", ["shape", "bf16", *FWD_BWD_VARIANTS],
+          [[r["shape"], f"{med(r, 'bf16'):.3f} [{max(r['rounds']['bf16']) / min(r['rounds']['bf16']):.2f}]",
+            *(f"{med(r, v):.3f} ({med(r, 'bf16') / med(r, v):.2f}x) [{max(r['rounds'][v]) / min(r['rounds'][v]):.2f}]" for v in FWD_BWD_VARIANTS)]
+           for r in out if "rounds" in r])
+    print("  variants: " + "; ".join(f"{v}: {' '.join(f'{k}={x}' for k, x in env.items()) or 'defaults'}" for v, env in FWD_BWD_VARIANTS.items()))
     vrows = [[r["shape"], v, f"{d['ms']:.3f}", f"{d['tb_s']:.2f}", d["bad_bytes"]] if "ms" in d else [r["shape"], v, d["error"], "", ""]
              for r in out for v, d in r.get("dy_variants", {}).items()]
     table(f"quantising dy [M, N] to both layouts (rows for dgrad, dy.T for wgrad), M={m}: the variants",
-          ["shape", "variant", "ms", "TB/s (4 B/elem)", "bytes != unfused"], vrows)
-
+          ["shape", "variant", "ms", "TB/s (bytes moved)", "bytes+scales != unfused"], vrows)
 
 FP8_LEGEND = """Columns (times are means over CUDA-synchronised loops; bf16 inputs, fp32 accumulation everywhere):
   bf16 ms / bf16 compile ms: x @ W.T, eager / torch.compile.
@@ -288,10 +308,8 @@ FP8_LEGEND = """Columns (times are means over CUDA-synchronised loops; bf16 inpu
   fp8 module fwd+bwd ms: Fp8Linear the same, weight cache warm: quant x and x.T (one pass; q(x.T) is what backward
     keeps), GEMM; quant dy (rows and dy.T in one pass), dgrad GEMM with the cached q(W).T, wgrad GEMM (bf16 out).
     Speedups are bf16 time / fp8 time.
-  quant x ms / GB/s: quantize_act(x) alone (3 bytes per element moved). quant dy (both): quantize_act_t(dy, both=True)
-    unfused (torch copy of pad(dy).T + the row kernel, twice). fused ms / fused bad bytes: the fused kernel (the
-    default since session 5; MILES_FP8_FUSED_TRANSPOSE=0 turns it off) and how many bytes of its q(dy.T) differ
-    from the unfused path (issue #7; must be 0).
+  quant x ms / GB/s: quantize_act(x) alone (3 bytes per element moved). quant dy (both, unfused): dy's row tiles and
+    dy.T's tiles through torch's transposing copy of pad(dy).T and the row kernel (the fused variants: the last table).
   quant W (+W.T): quantize_weight(W, transposed=True), paid once per optimizer step by the module.
   dgrad / wgrad scaled_mm ms: the backward GEMMs alone forced onto torch._scaled_mm (dgrad dy @ W: 1x128 x 128x128,
     wgrad dy.T @ x: 1x128 x 1x128 scales); 'err' means the module's auto backend falls back to Triton there.
@@ -305,7 +323,7 @@ def bench_parts(quick: bool):
     shapes; the row and column quantisers at several launch shapes, in TB/s of 3 bytes per element."""
     from miles_nvidia.fp8.gemm import fp8_gemm, fp8_gemm_triton
     from miles_nvidia.fp8.linear import Fp8Weight
-    from miles_nvidia.fp8.quant import quantize_act, quantize_act_t, quantize_act_t_blocks
+    from miles_nvidia.fp8.quant import quantize_act, quantize_act_both, quantize_act_t, quantize_act_t_blocks
     from miles_nvidia.fp8.quant_triton import quantize_act_t_triton, quantize_act_triton
 
     m = 4096 if quick else 16384
@@ -317,7 +335,7 @@ def bench_parts(quick: bool):
         x, w, dy = _operands(m, n, k)
         qx, sx = quantize_act(x)
         qxt, sxt = quantize_act_t(x)
-        qdyt, sdyt, qdy, sdy = quantize_act_t(dy, both=True)
+        qdy, sdy, qdyt, sdyt = quantize_act_both(dy)
         wq = Fp8Weight.of(w)
         ref = dy.t().float() @ x.float()  # the exact product: every wgrad variant's error against it
         # x in 128x128 blocks for the wgrad (q(x).T with the blocks' scales transposed): the weight-style

@@ -3,6 +3,8 @@ gradients against bf16, the export round trip, and the recipe through the torch 
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from miles_nvidia.fp8.export import SUFFIX, dequantize_fp8, export_fp8
 from miles_nvidia.fp8.gemm import fp8_gemm, fp8_gemm_emulated, fp8_gemm_triton
@@ -170,9 +172,10 @@ def _hard_input(m: int, k: int, device: str, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("m,k", [(77, 384), (200, 256), (45, 320)])  # ragged token tiles; K = 320: a ragged column block
 def test_act_quantisers_bitwise_equal_torch(m, k, device):
     """Triton (interpreter on CPU) vs the torch reference, bit for bit: 1x128 row tiles, the fused
-    transposed wgrad operand q(pad(x).T) and the 'both' variant (one read, both layouts)."""
+    transposed wgrad operand q(pad(x).T) in tiles and in 128x128 blocks, and both layouts at once
+    (two kernels, or one read per [128, 128] tile)."""
     from miles_nvidia.fp8.quant import quantize_blockwise
-    from miles_nvidia.fp8.quant_triton import quantize_act_t_triton, quantize_act_triton
+    from miles_nvidia.fp8.quant_triton import quantize_act_both_triton, quantize_act_t_blocks_triton, quantize_act_t_triton, quantize_act_triton
 
     x = _hard_input(m, k, device)
     rq, rs = quantize_blockwise(x, 1)
@@ -181,28 +184,25 @@ def test_act_quantisers_bitwise_equal_torch(m, k, device):
     q, s = quantize_act_triton(x)
     assert torch.equal(_bits(q), _bits(rq)) and torch.equal(s, rs)
     assert s.t().is_contiguous()  # M-major, as torch._scaled_mm takes it
-    mp = -(-m // 128) * 128
-    xt = torch.nn.functional.pad(x, (0, 0, 0, mp - m)).t()
-    rqt, rst = quantize_blockwise(xt, 1)
-    for fused in (False, True):  # default: the fused kernels; unfused: torch's copy of pad(x).T + the row kernel
-        qt, st = quantize_act_t_triton(x, fused=fused)
-        assert qt.shape == (k, mp) and st.shape == (k, mp // 128) and st.t().is_contiguous()
-        assert torch.equal(_bits(qt), _bits(rqt)) and torch.equal(st, rst)
-        assert not bool(qt[:, m:].float().any())  # the token padding is zeros
-        for split, sub_m in ((False, 32), (True, 32), (False, 64)) if fused else ((False, 32),):  # one-read kernel, two kernels
-            qt2, st2, q2, s2 = quantize_act_t_triton(x, both=True, fused=fused, split=split, sub_m=sub_m)
-            assert torch.equal(_bits(qt2), _bits(rqt)) and torch.equal(st2, rst) and st2.t().is_contiguous()
-            assert torch.equal(_bits(q2), _bits(rq)) and torch.equal(s2, rs) and s2.t().is_contiguous()
-    # MILES_FP8_WGRAD=blocks: x.T in 128x128 blocks (scales from the row tiles'), tokens padded to 512
-    from miles_nvidia.fp8.quant_triton import quantize_act_t_blocks_triton
-
-    mb = -(-m // 512) * 512
-    rqb, rsb = quantize_blockwise(torch.nn.functional.pad(x, (0, 0, 0, mb - m)).t(), 128)
-    qb, sb = quantize_act_t_blocks_triton(x, s, 512)
-    assert qb.shape == (k, mb) and sb.shape == (-(-k // 128), mb // 128)
-    assert torch.equal(_bits(qb), _bits(rqb)) and torch.equal(sb, rsb)
-    qt3, st3 = quantize_act_t_triton(x, pad=512)  # the 1x128 tiles with the same padding (dy.T in that mode)
-    assert torch.equal(_bits(qt3), _bits(quantize_blockwise(torch.nn.functional.pad(x, (0, 0, 0, mb - m)).t(), 1)[0]))
+    for pad in (128, 512):  # 512: the block modes' token padding (dy.T's tiles in the blocks mode too)
+        mp = -(-m // pad) * pad
+        xt = torch.nn.functional.pad(x, (0, 0, 0, mp - m)).t()
+        rqt, rst = quantize_blockwise(xt, 1)
+        rqb, rsb = quantize_blockwise(xt, 128)
+        for fused in (False, True):  # default: the fused kernels; unfused: torch's copy of pad(x).T + the row kernel
+            qt, st = quantize_act_t_triton(x, fused=fused, pad=pad)
+            assert qt.shape == (k, mp) and st.shape == (k, mp // 128) and st.t().is_contiguous()
+            assert torch.equal(_bits(qt), _bits(rqt)) and torch.equal(st, rst)
+            assert not bool(qt[:, m:].float().any())  # the token padding is zeros
+        qb, sb = quantize_act_t_blocks_triton(x, s, pad)  # x.T in 128x128 blocks, scales from the row tiles'
+        assert qb.shape == (k, mp) and sb.shape == (-(-k // 128), mp // 128)
+        assert torch.equal(_bits(qb), _bits(rqb)) and torch.equal(sb, rsb)
+        for kernel in ("split", "tile"):
+            for t_blocks, (eq, es) in ((False, (rqt, rst)), (True, (rqb, rsb))):
+                q2, s2, qt2, st2 = quantize_act_both_triton(x, pad, t_blocks, kernel=kernel)
+                assert torch.equal(_bits(q2), _bits(rq)) and torch.equal(s2, rs) and s2.t().is_contiguous(), (kernel, t_blocks)
+                assert torch.equal(_bits(qt2), _bits(eq)) and torch.equal(st2, es), (kernel, t_blocks)
+                assert (st2 if t_blocks else st2.t()).is_contiguous()  # tiles: K-major, as _scaled_mm takes them
 
 
 def test_weight_quantiser_bitwise_and_transposed(device):
@@ -257,6 +257,7 @@ def test_reference_scale_divides_by_a_tensor():
 @pytest.mark.parametrize("m,k", [(16384, 4096), (16383, 12288), (1000, 1024)])
 def test_gpu_quantisers_bitwise_full_shapes(m, k):
     from miles_nvidia.fp8.quant import quantize_act, quantize_act_t, quantize_blockwise, quantize_weight
+    from miles_nvidia.fp8.quant_triton import quantize_act_both_triton
 
     x = _hard_input(m, k, "cuda")
     rq, rs = quantize_blockwise(x, 1)
@@ -264,9 +265,10 @@ def test_gpu_quantisers_bitwise_full_shapes(m, k):
     assert torch.equal(_bits(q), _bits(rq)) and torch.equal(s, rs)
     mp = -(-m // 128) * 128
     rqt, rst = quantize_blockwise(torch.nn.functional.pad(x, (0, 0, 0, mp - m)).t(), 1)
-    qt, st, q2, s2 = quantize_act_t(x, both=True)
-    assert torch.equal(_bits(qt), _bits(rqt)) and torch.equal(st, rst)
-    assert torch.equal(_bits(q2), _bits(rq)) and torch.equal(s2, rs)
+    for kernel in ("split", "tile"):
+        q2, s2, qt, st = quantize_act_both_triton(x, 128, kernel=kernel)
+        assert torch.equal(_bits(qt), _bits(rqt)) and torch.equal(st, rst), kernel
+        assert torch.equal(_bits(q2), _bits(rq)) and torch.equal(s2, rs), kernel
     assert torch.equal(_bits(quantize_act_t(x)[0]), _bits(rqt))
     w = x[:4096].contiguous()
     rqw, rsw = quantize_blockwise(w, 128)
@@ -278,6 +280,10 @@ def test_gpu_quantisers_bitwise_full_shapes(m, k):
     rqb, rsb = quantize_blockwise(torch.nn.functional.pad(x, (0, 0, 0, mb - m)).t(), 128)
     qb, sb = quantize_act_t_blocks(x, s)
     assert torch.equal(_bits(qb), _bits(rqb)) and torch.equal(sb, rsb)
+    for kernel in ("split", "tile"):  # x.T in blocks, with x's rows, at the blocks mode's padding
+        q3, s3, qb3, sb3 = quantize_act_both_triton(x, 512, t_blocks=True, kernel=kernel)
+        assert torch.equal(_bits(q3), _bits(rq)) and torch.equal(s3, rs), kernel
+        assert torch.equal(_bits(qb3), _bits(rqb)) and torch.equal(sb3, rsb), kernel
 
 
 @pytest.mark.gpu
@@ -286,16 +292,16 @@ def test_gpu_fused_transpose_kernels_report():
     so that one H200 run says which of them this Triton/ptxas compiles wrongly (run with -s). The
     activation kernels are the default and asserted in test_gpu_quantisers_bitwise_full_shapes."""
     from miles_nvidia.fp8.quant import quantize_blockwise
-    from miles_nvidia.fp8.quant_triton import quantize_act_t_triton, quantize_weight_triton
+    from miles_nvidia.fp8.quant_triton import quantize_act_both_triton, quantize_act_t_triton, quantize_weight_triton
 
     x = _hard_input(4095, 6144, "cuda")
     rq, rs = quantize_blockwise(x, 1)
     rqt, rst = quantize_blockwise(torch.nn.functional.pad(x, (0, 0, 0, 1)).t(), 1)
     qt, st = quantize_act_t_triton(x, fused=True)
-    qt2, st2, q2, s2 = quantize_act_t_triton(x, both=True, fused=True)
+    q2, s2, qt2, st2 = quantize_act_both_triton(x, kernel="tile")
     q, s, wqt = quantize_weight_triton(x, transposed=True, fused=True)
-    report = {"cols_qt": (_bits(qt) != _bits(rqt)).sum().item(), "both_qt": (_bits(qt2) != _bits(rqt)).sum().item(),
-              "both_q": (_bits(q2) != _bits(rq)).sum().item(), "weight_qt": (_bits(wqt) != _bits(q.t().contiguous())).sum().item()}
+    report = {"cols_qt": (_bits(qt) != _bits(rqt)).sum().item(), "tile_qt": (_bits(qt2) != _bits(rqt)).sum().item(),
+              "tile_q": (_bits(q2) != _bits(rq)).sum().item(), "weight_qt": (_bits(wqt) != _bits(q.t().contiguous())).sum().item()}
     print("fused transpose kernels, differing bytes:", report)
 
 
@@ -450,12 +456,13 @@ def test_quantisers_compile_for_sm90_with_exact_division_and_rne_cast():
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout)
-    assert len(report) == len(("rows", "cols", "cols_blocks", "both", "weight", "weight_t"))
+    assert len(report) == len(("rows", "rows_markstein", "cols", "cols_blocks", "tile", "tile_blocks", "weight", "weight_t"))
     for name, r in report.items():
         assert r["div_rn"] and not r["div_approx"] and r["cvt_rne_e4m3"], (name, r)
-        assert r["spill_bytes"] == 0, (name, r)
+        assert r["spill_bytes"] == 0 or name.startswith("tile"), (name, r)  # the opt-in one-read kernel spills (measured)
         assert r["f8_layout_moves"] == 0, (name, r)
-        assert (r["i8_layout_moves"] == 0) == (name in ("rows", "weight")), (name, r)
+        assert (r["i8_layout_moves"] == 0) == (name in ("rows", "rows_markstein", "weight")), (name, r)
+    assert report["rows_markstein"]["fma_rn"] and not report["rows"]["fma_rn"]  # the switch reaches the kernels
 
 
 def test_trainer_optimizer_step_invalidates_the_weight_cache():
@@ -517,3 +524,67 @@ def test_backward_keeps_x_transposed_in_fp8_and_its_wgrad_is_unchanged(mode, mon
     assert y0.grad_fn is None and torch.equal(y0, y.detach())
     y1 = fp8_linear(x, w.detach(), backend="emulated")  # frozen weight: dx only, nothing kept for a wgrad
     assert y1.grad_fn.saved_tensors == () and torch.equal(torch.autograd.grad(y1, x, dy)[0], gx)
+
+
+@triton.jit
+def _markstein_pairs_kernel(bad_ptr, XB: tl.constexpr):
+    """Program (a, j): amax = the a-th positive finite bf16, scale = RN(max(amax, 1e-12) / 448) as the
+    quantisers make it; every bf16 x in (0, amax] of chunk j: the IEEE quotient's bits against the
+    reciprocal-and-correction quotient's (quant_triton._quant); mismatches counted into bad_ptr."""
+    a_bits = tl.program_id(0) + 1
+    amax = (a_bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    s = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+    xb = tl.program_id(1) * XB + 1 + tl.arange(0, XB)
+    x = (xb.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    sv = tl.full((XB,), 1.0, tl.float32) * s
+    q_rn = tl.math.div_rn(x, sv)
+    r = tl.math.div_rn(tl.full((XB,), 1.0, tl.float32), sv)
+    q0 = x * r
+    q = tl.math.fma(tl.math.fma(-q0, sv, x), r, q0)
+    bad = (q.to(tl.uint32, bitcast=True) != q_rn.to(tl.uint32, bitcast=True)) & (xb <= a_bits)
+    tl.atomic_add(bad_ptr, tl.sum(bad.to(tl.int32), 0))
+
+
+@pytest.mark.gpu
+def test_gpu_markstein_division_exhaustive():
+    """MILES_FP8_DIV=markstein divides by a scale with one reciprocal and two FMAs: equal to IEEE
+    division for every pair the quantisers can meet on bf16 input -- every positive finite bf16 value x
+    and every scale made from a bf16 amax >= x (2^29 pairs; the sign is symmetric) -- and on 2^24 random
+    fp32 pairs over 12 decades; and the quantisers' bytes are the same either way at a full shape."""
+    import os
+
+    from miles_nvidia.fp8 import quant_triton as qtr
+
+    n_pos = 0x7F80 - 1  # bf16 bit patterns of the positive finite values
+    bad = torch.zeros(1, dtype=torch.int32, device="cuda")
+    _markstein_pairs_kernel[(n_pos, triton.cdiv(n_pos, 1024))](bad, XB=1024)
+    assert int(bad) == 0
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1 << 24, device="cuda", generator=g) * 10 ** (torch.rand(1 << 24, device="cuda", generator=g) * 12 - 6)
+    amax = x.abs() * (1 + torch.rand(1 << 24, device="cuda", generator=g) * 100)
+    s = amax.clamp(min=1e-12) / torch.full_like(amax, 448.0)
+    y = torch.empty_like(x)
+    _fma_quotient_kernel[(triton.cdiv(x.numel(), 4096),)](x, s, y, x.numel(), BLOCK=4096)
+    assert torch.equal(y.view(torch.int32), (x / s).view(torch.int32))  # tensor / tensor: IEEE division on CUDA
+    xa = _hard_input(4096, 6144, "cuda")
+    old = os.environ.get("MILES_FP8_DIV")
+    try:
+        outs = {}
+        for mode in ("rn", "markstein"):
+            os.environ["MILES_FP8_DIV"] = mode
+            outs[mode] = [qtr.quantize_act_both_triton(xa, 512, t_blocks=tb) for tb in (False, True)] + [qtr.quantize_weight_triton(xa)]
+    finally:
+        os.environ.pop("MILES_FP8_DIV") if old is None else os.environ.__setitem__("MILES_FP8_DIV", old)
+    for a, b in zip(outs["rn"], outs["markstein"]):
+        for ta, tb in zip(a, b):
+            assert torch.equal(ta.view(torch.uint8) if ta.dtype == torch.float8_e4m3fn else ta, tb.view(torch.uint8) if tb.dtype == torch.float8_e4m3fn else tb)
+
+
+@triton.jit
+def _fma_quotient_kernel(x_ptr, s_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n, other=1.0)
+    s = tl.load(s_ptr + i, mask=i < n, other=1.0)
+    r = tl.math.div_rn(tl.full((BLOCK,), 1.0, tl.float32), s)
+    q0 = x * r
+    tl.store(y_ptr + i, tl.math.fma(tl.math.fma(-q0, s, x), r, q0), mask=i < n)

@@ -58,7 +58,7 @@ from torch import nn
 
 from miles_core.precision.base import PrecisionRecipe
 from miles_nvidia.fp8.gemm import fp8_gemm, fp8_gemm_triton
-from miles_nvidia.fp8.quant import BLOCK, quantize_act, quantize_act_t, quantize_act_t_blocks, quantize_weight
+from miles_nvidia.fp8.quant import BLOCK, quantize_act, quantize_act_both, quantize_weight
 
 
 def wgrad_gemm() -> tuple[str, tuple[int, int, int, int] | None]:
@@ -144,13 +144,11 @@ class _Fp8LinearFn(torch.autograd.Function):
         # mode pads the tokens to a multiple of 512 (cuBLAS's 128x128 scales want K/128 a multiple of 4)
         ctx.mode = wgrad_mode()
         ctx.pad = BLOCK if ctx.mode == "tiles" else 4 * BLOCK
-        if keep_xt and ctx.mode != "blocks":  # x's wgrad tiles (x.T along tokens), kept in FP8 for backward
-            qxt, sxt, qx, sx = quantize_act_t(x2, both=True, pad=ctx.pad)
+        if keep_xt:  # x's row tiles (this GEMM) and x.T's wgrad operand, kept in FP8 for backward
+            qx, sx, qxt, sxt = quantize_act_both(x2, ctx.pad, t_blocks=ctx.mode == "blocks")
             ctx.save_for_backward(qxt, sxt)
         else:
             qx, sx = quantize_act(x2)
-            if keep_xt:  # blocks: x.T's 128x128 block scales are the max of the row tiles' (one more read of x, no amax pass)
-                ctx.save_for_backward(*quantize_act_t_blocks(x2, sx, ctx.pad))
         y = fp8_gemm(qx, sx, wq.q, wq.s, BLOCK, torch.bfloat16, backend)
         ctx.wq, ctx.backend, ctx.shape, ctx.xdtype, ctx.wdtype = wq, backend, shape, x.dtype, weight.dtype
         return y.view(*shape[:-1], weight.shape[0])
@@ -159,11 +157,10 @@ class _Fp8LinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         wq, backend = ctx.wq, ctx.backend
         dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16)
-        if ctx.mode == "dy_blocks":  # dy's row tiles (dgrad); dy.T in blocks whose scales come from them (wgrad)
+        if ctx.needs_input_grad[1]:  # dy's row tiles (dgrad) and dy.T's wgrad operand (blocks in the dy_blocks mode)
+            qdy, sdy, qdyt, sdyt = quantize_act_both(dy2, ctx.pad, t_blocks=ctx.mode == "dy_blocks")
+        else:
             qdy, sdy = quantize_act(dy2)
-            qdyt, sdyt = quantize_act_t_blocks(dy2, sdy, ctx.pad) if ctx.needs_input_grad[1] else (None, None)
-        else:  # dy's 1x128 row tiles (dgrad) and the tiles of dy.T along tokens (wgrad)
-            qdyt, sdyt, qdy, sdy = quantize_act_t(dy2, both=True, pad=ctx.pad)
         a_rows, b_rows = {"tiles": (1, 1), "blocks": (1, BLOCK), "dy_blocks": (BLOCK, 1)}[ctx.mode]
         dx = dw = None
         if ctx.needs_input_grad[0]:

@@ -62,16 +62,26 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_blockwise(x, 1)
 
 
-def quantize_act_t(x: torch.Tensor, both: bool = False, pad: int = BLOCK):
+def quantize_act_t(x: torch.Tensor, pad: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 tiles of ``x.T`` along the token dim, for the weight-gradient GEMM: ``x`` [M, K] ->
     ``qt`` [K, Mp], ``st`` [K, Mp/128] with ``Mp`` = M rounded up to a multiple of ``pad`` (zero rows pad
-    the tokens). With ``both``, returns ``(qt, st, q, s)``, adding :func:`quantize_act` of ``x``."""
+    the tokens)."""
     if x.is_cuda:
         from miles_nvidia.fp8.quant_triton import quantize_act_t_triton
 
-        return quantize_act_t_triton(x, both, pad=pad)
-    qt, st = quantize_blockwise(_pad_rows(x, pad).t(), 1)
-    return (qt, st, *quantize_blockwise(x, 1)) if both else (qt, st)
+        return quantize_act_t_triton(x, pad=pad)
+    return quantize_blockwise(_pad_rows(x, pad).t(), 1)
+
+
+def quantize_act_both(x: torch.Tensor, pad: int = BLOCK, t_blocks: bool = False):
+    """What one activation (or gradient) feeds two GEMMs with: ``(q, s, qt, st)``, :func:`quantize_act`
+    of ``x`` and the wgrad operand ``pad(x).T`` -- :func:`quantize_act_t`, or with ``t_blocks``
+    :func:`quantize_act_t_blocks`."""
+    if x.is_cuda:
+        from miles_nvidia.fp8.quant_triton import quantize_act_both_triton
+
+        return quantize_act_both_triton(x, pad, t_blocks)
+    return (*quantize_blockwise(x, 1), *quantize_blockwise(_pad_rows(x, pad).t(), BLOCK if t_blocks else 1))
 
 
 def quantize_act_t_blocks(x: torch.Tensor, row_scales: torch.Tensor | None = None, pad: int = 4 * BLOCK):

@@ -10,11 +10,13 @@ Same arithmetic as the reference: ``amax = max(max|tile|, 1e-12)``, ``s = amax /
 * :func:`quantize_act_t_triton` -- the wgrad operand: 1x128 tiles of ``x.T`` along the token dim, i.e.
   ``q(pad(x).T)`` [K, Mp] and ``s`` [K, Mp/128] with ``Mp = ceil(M/128)*128``. Default (fused):
   reading ``x`` [M, K] once, each program loads a [128 tokens, 32] tile, takes the amax down each
-  column and stores the tile transposed; the zero rows M..Mp are the masked loads. ``both=True`` also
-  returns the 1x128 row tiles of ``x`` (backward's dy) from the same DRAM read: a program takes the
-  column amax of a [128, 128] block, then reloads it piecewise from cache. Unfused
+  column and stores the tile transposed; the zero rows M..Mp are the masked loads. Unfused
   (``MILES_FP8_FUSED_TRANSPOSE=0`` or ``fused=False``): torch makes ``pad(x).T`` contiguous (one bf16
-  copy) and the row kernel quantises it.
+  copy) and the row kernel quantises it. :func:`quantize_act_t_blocks_triton`: the same in 128x128
+  blocks, from the row tiles' scales.
+* :func:`quantize_act_both_triton` -- both layouts of one tensor (the forward's x, the backward's dy):
+  the row and column kernels one after the other (default), or one [128, 128] tile per program read
+  once and stored both ways (``MILES_FP8_BOTH=tile``, :func:`_act_tile_kernel`).
 * :func:`quantize_weight_triton` -- 128x128 blocks, ``s`` [N/128, K/128]; with ``transposed=True`` also
   ``q(W).T`` [K, N] (a block's scale does not change under transposition, so ``q(W.T) = q(W).T`` and
   its scales are ``s.T``). Default: torch copies ``q.T`` (exact); fused (opt-in,
@@ -84,28 +86,35 @@ def _scale(amax, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _quant(x, scale, QMAX: tl.constexpr):
-    """``clamp(x / scale)`` in fp32 (``scale`` broadcastable to x)."""
-    q = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))  # div_rn does not broadcast
+def _quant(x, scale, QMAX: tl.constexpr, DIV_RN: tl.constexpr):
+    """``clamp(x / scale)`` in fp32 (``scale`` broadcastable to x), the quotient correctly rounded either way
+    (``DIV_RN``: an IEEE division per element; else see :func:`div_rn`)."""
+    if DIV_RN:  # also the interpreter's: numpy's IEEE division (its fma would round twice)
+        q = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))  # div_rn does not broadcast
+    else:  # one IEEE division per scale, then Markstein's correction per element (see the module doc)
+        s = tl.broadcast_to(scale, x.shape)
+        r = tl.broadcast_to(tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), x.shape)
+        q0 = x * r
+        q = tl.math.fma(tl.math.fma(-q0, s, x), r, q0)
     return tl.minimum(tl.maximum(q, -QMAX), QMAX)
 
 
 @triton.jit
 def _act_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm, s_sk,
-                     BLOCK_M: tl.constexpr, TILE: tl.constexpr, QMAX: tl.constexpr, EMULATE_RNE: tl.constexpr):
+                     BLOCK_M: tl.constexpr, TILE: tl.constexpr, QMAX: tl.constexpr, EMULATE_RNE: tl.constexpr, DIV_RN: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M*K may pass 2^31
     rk = tl.program_id(1) * TILE + tl.arange(0, TILE)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     x = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = _scale(tl.max(tl.abs(x), 1)[:, None], QMAX)  # [BLOCK_M, 1]
-    q = _quant(x, scale, QMAX)
+    q = _quant(x, scale, QMAX, DIV_RN)
     tl.store(q_ptr + rm[:, None] * s_qm + rk[None, :], _to_e4m3(q, EMULATE_RNE), mask=mask)
     tl.store(s_ptr + tl.program_id(1) * s_sk + rm[:, None], scale, mask=rm[:, None] < M)
 
 
 @triton.jit
 def _act_cols_kernel(x_ptr, qt_ptr, st_ptr, M, K, s_xm, s_qtk, s_stm, s_stk,
-                     BLOCK_K: tl.constexpr, TILE: tl.constexpr, QMAX: tl.constexpr, EMULATE_RNE: tl.constexpr,
+                     BLOCK_K: tl.constexpr, TILE: tl.constexpr, QMAX: tl.constexpr, EMULATE_RNE: tl.constexpr, DIV_RN: tl.constexpr,
                      GIVEN_SCALES: tl.constexpr):
     """``GIVEN_SCALES``: quantise with the 128x128 block scales at ``st_ptr`` ([K/128, Mp/128], strides
     ``s_stk``, ``s_stm``) instead of each column's amax (which it then does not store)."""
@@ -117,47 +126,45 @@ def _act_cols_kernel(x_ptr, qt_ptr, st_ptr, M, K, s_xm, s_qtk, s_stm, s_stk,
         scale = tl.load(st_ptr + (rk // TILE)[None, :] * s_stk + tl.program_id(0) * s_stm, mask=rk[None, :] < K, other=1.0)
     else:
         scale = _scale(tl.max(tl.abs(x), 0)[None, :], QMAX)  # one per column: [1, BLOCK_K]
-    qt = tl.trans(_bytes(_to_e4m3(_quant(x, scale, QMAX), EMULATE_RNE)))  # [BLOCK_K, TILE]
+    qt = tl.trans(_bytes(_to_e4m3(_quant(x, scale, QMAX, DIV_RN), EMULATE_RNE)))  # [BLOCK_K, TILE]
     tl.store(qt_ptr + rk[:, None] * s_qtk + rm[None, :], qt, mask=rk[:, None] < K)
     if not GIVEN_SCALES:
         tl.store(st_ptr + tl.program_id(0) * s_stm + rk[None, :], scale, mask=rk[None, :] < K)
 
 
 @triton.jit
-def _act_both_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, s_xm, s_qm, s_sk, s_qtk, s_stm,
-                     SUB_M: tl.constexpr, TILE: tl.constexpr, QMAX: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """Both layouts of one [128 tokens, 128] block, in [SUB_M, 128] pieces (few registers a thread):
-    pass 1 takes the column amax; pass 2 reloads each piece (from cache), whose row amax is whole
-    within it, and stores the row tiles and the transposed tiles."""
+def _act_tile_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, s_xm, s_qm, s_sk, s_qtk, s_stm, s_stk,
+                     TILE: tl.constexpr, QMAX: tl.constexpr, EMULATE_RNE: tl.constexpr, DIV_RN: tl.constexpr, BLOCK_SCALES: tl.constexpr):
+    """Both layouts of one [128 tokens, 128] tile from a single load kept in registers: x's 1x128 row
+    tiles (``q``, ``s``) and the tile of ``pad(x).T`` (``qt``) with, per column, the amax of its 128
+    tokens (``st`` [K, Mp/128] through ``s_stm``), or with ``BLOCK_SCALES`` one 128x128 block scale, the
+    largest of the tile's row scales (``st`` [K/128, Mp/128] through ``s_stk``, ``s_stm``)."""
+    rm = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)  # tokens; rows M..Mp load as zeros
     rk = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
-    m0 = tl.program_id(0).to(tl.int64) * TILE
-    col_amax = tl.zeros((1, TILE), tl.float32)
-    for i in range(0, TILE // SUB_M):
-        rm = m0 + i * SUB_M + tl.arange(0, SUB_M)
-        x = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-        col_amax = tl.maximum(col_amax, tl.max(tl.abs(x.to(tl.float32)), 0)[None, :])
-    sc = _scale(col_amax, QMAX)  # [1, TILE]
-    tl.store(st_ptr + tl.program_id(0) * s_stm + rk[None, :], sc, mask=rk[None, :] < K)
-    for i in range(0, TILE // SUB_M):
-        rm = m0 + i * SUB_M + tl.arange(0, SUB_M)
-        mask = (rm[:, None] < M) & (rk[None, :] < K)
-        x = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-        sr = _scale(tl.max(tl.abs(x), 1)[:, None], QMAX)  # [SUB_M, 1]
-        tl.store(q_ptr + rm[:, None] * s_qm + rk[None, :], _to_e4m3(_quant(x, sr, QMAX), EMULATE_RNE), mask=mask)
-        tl.store(s_ptr + tl.program_id(1) * s_sk + rm[:, None], sr, mask=rm[:, None] < M)
-        qt = tl.trans(_bytes(_to_e4m3(_quant(x, sc, QMAX), EMULATE_RNE)))  # [TILE, SUB_M]
-        tl.store(qt_ptr + rk[:, None] * s_qtk + rm[None, :], qt, mask=rk[:, None] < K)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    sr = _scale(tl.max(tl.abs(x), 1)[:, None], QMAX)  # [TILE, 1]
+    tl.store(q_ptr + rm[:, None] * s_qm + rk[None, :], _to_e4m3(_quant(x, sr, QMAX, DIV_RN), EMULATE_RNE), mask=mask)
+    tl.store(s_ptr + tl.program_id(1) * s_sk + rm[:, None], sr, mask=rm[:, None] < M)
+    if BLOCK_SCALES:  # max(a) / 448 == max(a / 448): the block's scale is its largest row scale, exactly
+        sc = tl.max(sr, 0, keep_dims=True)  # [1, 1]
+        tl.store(st_ptr + tl.program_id(1) * s_stk + tl.program_id(0) * s_stm + tl.zeros((1, 1), tl.int32), sc)
+    else:
+        sc = _scale(tl.max(tl.abs(x), 0)[None, :], QMAX)  # [1, TILE]
+        tl.store(st_ptr + tl.program_id(0) * s_stm + rk[None, :], sc, mask=rk[None, :] < K)
+    qt = tl.trans(_bytes(_to_e4m3(_quant(x, sc, QMAX, DIV_RN), EMULATE_RNE)))  # [TILE, TILE]
+    tl.store(qt_ptr + rk[:, None] * s_qtk + rm[None, :], qt, mask=rk[:, None] < K)
 
 
 @triton.jit
 def _weight_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, s_wn, s_qn, s_qtk, s_sn,
-                   TILE: tl.constexpr, QMAX: tl.constexpr, TRANSPOSED: tl.constexpr, EMULATE_RNE: tl.constexpr):
+                   TILE: tl.constexpr, QMAX: tl.constexpr, TRANSPOSED: tl.constexpr, EMULATE_RNE: tl.constexpr, DIV_RN: tl.constexpr):
     rn = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
     rk = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
     mask = (rn[:, None] < N) & (rk[None, :] < K)
     x = tl.load(w_ptr + rn[:, None] * s_wn + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = _scale(tl.max(tl.max(tl.abs(x), 1, keep_dims=True), 0, keep_dims=True), QMAX)  # [1, 1]
-    q8 = _to_e4m3(_quant(x, scale, QMAX), EMULATE_RNE)
+    q8 = _to_e4m3(_quant(x, scale, QMAX, DIV_RN), EMULATE_RNE)
     tl.store(q_ptr + rn[:, None] * s_qn + rk[None, :], q8, mask=mask)
     if TRANSPOSED:
         tl.store(qt_ptr + rk[:, None] * s_qtk + rn[None, :], tl.trans(_bytes(q8)), mask=(rk[:, None] < K) & (rn[None, :] < N))
@@ -173,6 +180,20 @@ def _warps(n: int) -> dict:
     return {} if interpreting() else {"num_warps": n}
 
 
+def div_rn() -> bool:
+    """How the kernels divide by a scale (``MILES_FP8_DIV``). ``rn`` (default): ``div.rn.f32`` per element.
+    ``markstein``: ``r = RN(1/s)`` once per scale, then per element ``q0 = RN(x r)``,
+    ``q = RN(q0 + RN(x - q0 s) r)`` (two FMAs) -- the correctly rounded ``x / s`` by Markstein's theorem (``r``
+    within half an ulp of 1/s, ``q0`` within one ulp of x/s, no overflow; an underflowing quotient is far
+    below e4m3's smallest step, so its byte is 0 either way), checked bit for bit over every pair of
+    bf16 value and bf16-amax scale on the H200 (``test_gpu_markstein_division_exhaustive``). The
+    interpreter always divides."""
+    v = os.environ.get("MILES_FP8_DIV", "rn")
+    if v not in ("rn", "markstein"):
+        raise ValueError(f"MILES_FP8_DIV={v!r}: one of rn, markstein")
+    return v == "rn" or interpreting()
+
+
 def fused_transpose(fused: bool | None = None) -> bool:
     """Whether the activations' transposed tiles come from the fused kernels (default, see the module doc)."""
     return fused if fused is not None else os.environ.get("MILES_FP8_FUSED_TRANSPOSE", "1") != "0"
@@ -183,14 +204,16 @@ def fused_weight_transpose(fused: bool | None = None) -> bool:
     return fused if fused is not None else os.environ.get("MILES_FP8_FUSED_WEIGHT_TRANSPOSE", "") == "1"
 
 
-def split_both(split: bool | None = None) -> bool:
-    """Whether ``both=True`` runs the column kernel and then the row kernel (two reads of the input,
-    each a plain streaming pass; the default) instead of the one-read two-pass ``_act_both_kernel``.
-    Both give the same bytes. On the H200 (2026-12-03, ``bench_nvidia.py --only fp8``, M=16384) the
-    split path was the faster in every shape: 1.3 ms against the one-read kernel's best 1.8 ms for
-    the 8B gate_up dy (1.2 against 0.9 TB/s), and it lifted that layer's forward+backward from 1.13x
-    to 1.25x bf16. ``MILES_FP8_BOTH=fused`` selects the one-read kernel."""
-    return split if split is not None else os.environ.get("MILES_FP8_BOTH", "split") != "fused"
+def both_kernel(kernel: str | None = None) -> str:
+    """How :func:`quantize_act_both_triton` makes the two layouts (``MILES_FP8_BOTH``): ``split`` (default),
+    the row kernel and the column kernel, two plain streaming reads of the input; or ``tile``, one read,
+    :func:`_act_tile_kernel`. Both give the same bytes. History: a one-read kernel that walked a
+    [128, 128] block in [32, 128] pieces, reloading them from cache for the second layout, ran at
+    0.9 TB/s on the H200 against the split path's 1.9 (2026-12-03/04), and is gone."""
+    kernel = kernel or os.environ.get("MILES_FP8_BOTH", "split")
+    if kernel not in ("split", "tile"):
+        raise ValueError(f"MILES_FP8_BOTH={kernel!r}: one of split, tile")
+    return kernel
 
 
 def _padded_t(x: torch.Tensor, pad: int = BLOCK) -> torch.Tensor:
@@ -222,44 +245,58 @@ def quantize_act_triton(x: torch.Tensor, block_m: int | None = None, warps: int 
     if m and k:
         _act_rows_kernel[(triton.cdiv(m, bm), triton.cdiv(k, BLOCK))](  # tokens on grid x (no 65535 cap)
             x, q, st, m, k, x.stride(0), q.stride(0), st.stride(0),
-            BLOCK_M=bm, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(warps))
+            BLOCK_M=bm, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), DIV_RN=div_rn(), **_warps(warps))
     return q, st.t()
 
 
-def quantize_act_t_triton(x: torch.Tensor, both: bool = False, fused: bool | None = None, split: bool | None = None,
-                          sub_m: int = 32, warps: int | None = None, block_k: int = 32, pad: int = BLOCK):
+def quantize_act_t_triton(x: torch.Tensor, fused: bool | None = None, warps: int | None = None, block_k: int = 32, pad: int = BLOCK):
     """``x`` [M, K] -> ``qt`` [K, Mp] e4m3, ``st`` [K, Mp/128] fp32 (K-major storage), the 1x128 tiles
-    of ``pad(x, Mp).T``; with ``both``, ``(qt, st, q, s)`` adding ``q`` [M, K], ``s`` [M, ceil(K/128)]
-    as :func:`quantize_act_triton` gives them (fused: from the same read of ``x``, unless
-    :func:`split_both`). ``sub_m`` and ``warps`` shape the one-read kernel, ``block_k`` and ``warps`` the
-    column kernel (the benchmark sweeps them). ``pad``: ``Mp`` a multiple of it (a multiple of 128)."""
+    of ``pad(x, Mp).T``, ``Mp`` a multiple of ``pad`` (a multiple of 128). ``block_k`` and ``warps`` shape
+    the column kernel (the benchmark sweeps them)."""
     assert pad % BLOCK == 0, pad
     if not fused_transpose(fused):
-        qt, st = quantize_act_triton(_padded_t(x, pad))  # the row kernel on a contiguous copy of pad(x).T
-        return (qt, st, *quantize_act_triton(x)) if both else (qt, st)
-    if both and split_both(split):
-        return (*quantize_act_t_triton(x, fused=True, pad=pad), *quantize_act_triton(x))
+        return quantize_act_triton(_padded_t(x, pad))  # the row kernel on a contiguous copy of pad(x).T
     x = _unit_stride(x)
     m, k = x.shape
     mp = triton.cdiv(m, pad) * pad
     qt = torch.empty(k, mp, dtype=E4M3, device=x.device)
     stt = torch.empty(mp // BLOCK, k, dtype=torch.float32, device=x.device)
-    if not both:
-        if mp and k:
-            # [128 tokens, 32] over 4 warps: the fastest in every 8B shape on the H200 (bench_nvidia.py --only
-            # parts, 2026-12-04: 0.49 ms for dy [16384, 24576], 2.5 TB/s; [128, 64] over 16 warps, the earlier
-            # launch, 0.88 ms)
-            _act_cols_kernel[(mp // BLOCK, triton.cdiv(k, block_k))](
-                x, qt.view(torch.int8), stt, m, k, x.stride(0), qt.stride(0), stt.stride(0), stt.stride(1),
-                BLOCK_K=block_k, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), GIVEN_SCALES=False, **_warps(warps or 4))
-        return qt, stt.t()
-    q = torch.empty(m, k, dtype=E4M3, device=x.device)
-    sr = torch.empty(triton.cdiv(k, BLOCK), m, dtype=torch.float32, device=x.device)
     if mp and k:
-        _act_both_kernel[(mp // BLOCK, triton.cdiv(k, BLOCK))](
-            x, q, sr, qt.view(torch.int8), stt, m, k, x.stride(0), q.stride(0), sr.stride(0), qt.stride(0), stt.stride(0),
-            SUB_M=sub_m, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(warps or 16))  # 32, 16: ~99 registers on sm90
-    return qt, stt.t(), q, sr.t()
+        # [128 tokens, 32] over 4 warps: the fastest in every 8B shape on the H200 (bench_nvidia.py --only
+        # parts, 2026-12-04: 0.49 ms for dy [16384, 24576], 2.5 TB/s; [128, 64] over 16 warps, the earlier
+        # launch, 0.88 ms)
+        _act_cols_kernel[(mp // BLOCK, triton.cdiv(k, block_k))](
+            x, qt.view(torch.int8), stt, m, k, x.stride(0), qt.stride(0), stt.stride(0), stt.stride(1),
+            BLOCK_K=block_k, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), DIV_RN=div_rn(), GIVEN_SCALES=False, **_warps(warps or 4))
+    return qt, stt.t()
+
+
+def quantize_act_both_triton(x: torch.Tensor, pad: int = BLOCK, t_blocks: bool = False, kernel: str | None = None,
+                             warps: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both FP8 layouts of an activation (or of its gradient): ``(q, s, qt, st)``, ``q``/``s`` as
+    :func:`quantize_act_triton` gives them (the forward's or dgrad's operand) and ``qt``/``st`` the
+    wgrad operand ``pad(x, Mp).T``: in 1x128 tiles along the tokens as :func:`quantize_act_t_triton`
+    gives them, or with ``t_blocks`` in 128x128 blocks as :func:`quantize_act_t_blocks_triton`.
+    ``kernel``: see :func:`both_kernel`; ``warps`` shapes the one-read kernel."""
+    assert pad % BLOCK == 0, pad
+    if both_kernel(kernel) == "split" or not fused_transpose():
+        q, s = quantize_act_triton(x)
+        return (q, s, *(quantize_act_t_blocks_triton(x, s, pad) if t_blocks else quantize_act_t_triton(x, pad=pad)))
+    x = _unit_stride(x)
+    m, k = x.shape
+    mp, kb = triton.cdiv(m, pad) * pad, triton.cdiv(k, BLOCK)
+    q = torch.empty(m, k, dtype=E4M3, device=x.device)
+    sr = torch.empty(kb, m, dtype=torch.float32, device=x.device)
+    qt = torch.empty(k, mp, dtype=E4M3, device=x.device)
+    st = torch.empty(kb, mp // BLOCK, dtype=torch.float32, device=x.device) if t_blocks else \
+        torch.empty(mp // BLOCK, k, dtype=torch.float32, device=x.device)
+    # blocks: st [K/128, Mp/128], strides (s_stk, s_stm); tiles: st stored [Mp/128, K] (returned transposed)
+    s_stm, s_stk = (st.stride(1), st.stride(0)) if t_blocks else (st.stride(0), 0)
+    if mp and k:
+        _act_tile_kernel[(mp // BLOCK, kb)](
+            x, q, sr, qt.view(torch.int8), st, m, k, x.stride(0), q.stride(0), sr.stride(0), qt.stride(0), s_stm, s_stk,
+            TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), DIV_RN=div_rn(), BLOCK_SCALES=t_blocks, **_warps(warps))
+    return q, sr.t(), qt, (st if t_blocks else st.t())
 
 
 def quantize_act_t_blocks_triton(x: torch.Tensor, row_scales: torch.Tensor, pad: int = 4 * BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,7 +317,7 @@ def quantize_act_t_blocks_triton(x: torch.Tensor, row_scales: torch.Tensor, pad:
     if mp and k:
         _act_cols_kernel[(mp // BLOCK, triton.cdiv(k, 32))](
             x, qt.view(torch.int8), s, m, k, x.stride(0), qt.stride(0), s.stride(1), s.stride(0),
-            BLOCK_K=32, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), GIVEN_SCALES=True, **_warps(4))
+            BLOCK_K=32, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), DIV_RN=div_rn(), GIVEN_SCALES=True, **_warps(4))
     return qt, s
 
 
@@ -296,7 +333,7 @@ def quantize_weight_triton(w: torch.Tensor, transposed: bool = False, fused: boo
     if n and k:
         _weight_kernel[(s.shape[0], s.shape[1])](
             w, q, qt.view(torch.int8), s, n, k, w.stride(0), q.stride(0), qt.stride(0), s.stride(0),
-            TILE=BLOCK, QMAX=E4M3_MAX, TRANSPOSED=in_kernel, EMULATE_RNE=interpreting(), **_warps(8))
+            TILE=BLOCK, QMAX=E4M3_MAX, TRANSPOSED=in_kernel, EMULATE_RNE=interpreting(), DIV_RN=div_rn(), **_warps(8))
     if transposed and not in_kernel:
         qt = q.t().contiguous()  # torch's transposing copy of the bytes: exactly q.T
     return (q, s, qt) if transposed else (q, s)
