@@ -10,7 +10,7 @@
 #   bash benchmarks/gpu_session.sh mfu        # torch trainer MFU, compiled, 16k-token micro-batches: varlen vs cudnn attention; profile with cudnn
 #   bash benchmarks/gpu_session.sh megatron   # Megatron trainer: GPU tests, MFU (varlen / cudnn / compiled), profile of one step
 #   bash benchmarks/gpu_session.sh megdiag    # Megatron trainer, compiled: dynamo's graph breaks and recompiles, MFU; profile of one eager step
-#   bash benchmarks/gpu_session.sh fp8both    # FP8 linear fwd+bwd with dy quantised by the one-read kernel (MILES_FP8_BOTH=fused) and split (the default), with the dy variants table
+#   bash benchmarks/gpu_session.sh fp8both    # (session 5; MILES_FP8_BOTH and its one-read kernel are gone since session 11) FP8 fwd+bwd, one-read vs split dy quantiser
 #   bash benchmarks/gpu_session.sh engprof    # engine decode at batch 64: profile by kernel kind; decode_parts.py (attention variants, GEMMs)
 #   bash benchmarks/gpu_session.sh engine2    # rollout GPU tests; rollout bench (default, and --no-splitk); engine profile; decode_parts.py
 #   bash benchmarks/gpu_session.sh final8     # rollout GPU tests, FP8 tests; rollout bench (default; decode_steps 32); FP8 tables and 200-step loss
@@ -24,7 +24,8 @@
 #   bash benchmarks/gpu_session.sh s10a     # as s10d below (run before PDL was limited to <= 64 rows; that call also profiled the engine at 64)
 #   bash benchmarks/gpu_session.sh s10b     # FP8 GPU tests; FP8 tables by wgrad mode and the parts; the 200-step loss over 16 seeds
 #   bash benchmarks/gpu_session.sh s10c     # FP8 GPU tests and fwd+bwd tables with the blocks default; engine with PDL + prefetch, PDL alone, neither, and again
-#   bash benchmarks/gpu_session.sh s11a     # FP8 GPU tests (Markstein division exhaustive check, one-read tile kernel bytes); fwd+bwd in interleaved rounds by variant
+#   bash benchmarks/gpu_session.sh s11a     # FP8 GPU tests; fwd+bwd against bf16 in interleaved rounds by variant (ran with the tile kernel and the Markstein division, both removed since)
+#   bash benchmarks/gpu_session.sh s11b     # as s11a, with the final code (the default quantisers only)
 #   bash benchmarks/gpu_session.sh s10d     # rollout GPU tests; rollout bench (PDL at <= 64 rows, the default) with HF, and --no-pdl
 #   bash benchmarks/gpu_session.sh fp8check   # the FP8 quantiser / module-gradient / path tests under the default (fused activation) kernels
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
@@ -169,7 +170,7 @@ print(min(t)[1].strip('()').replace(' ', '') if t else '')")
         | grep -A6 -E "by weight-gradient" | head -8
       grep -E "quantise x|wgrad, x in|wgrad \(scaled" "$OUT/fp8_bench.log" | head -24
       OUT=$OUT/loss timeout 300 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only loss --seeds 16 2>&1 | tee "$OUT/loss.log" | tail -9 ;;
-    s11a)
+    s11a|s11b)
       timeout 150 python3 -m pytest -q -rf --tb=short -m gpu plugins/miles_nvidia/tests/test_nv_fp8.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -4
       OUT=$OUT/fp8 timeout 240 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8 2>&1 | tee "$OUT/fp8_bench.log" \
         | grep -A70 -E "interleaved rounds" | grep -E "8B|shape|##" ;;

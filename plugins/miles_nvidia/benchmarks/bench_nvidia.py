@@ -136,13 +136,7 @@ FWD_BWD_VARIANTS = {
     "blocks (default)": {},
     "tiles": {"MILES_FP8_WGRAD": "tiles"},
     "dy_blocks": {"MILES_FP8_WGRAD": "dy_blocks"},
-    "blocks, markstein": {"MILES_FP8_DIV": "markstein"},
-    "blocks, tile": {"MILES_FP8_BOTH": "tile"},
-    "blocks, tile, markstein": {"MILES_FP8_BOTH": "tile", "MILES_FP8_DIV": "markstein"},
 }
-# dy's two layouts: (kernel, one-read kernel's warps, division)
-DY_VARIANTS = {f"{k}{f' warps={w}' if k == 'tile' else ''} {d}": (k, w, d)
-               for k, ws in (("split", (8,)), ("tile", (8, 16))) for w in ws for d in ("rn", "markstein")}
 
 
 def _fwd_bwd(layer, x, dy, params):
@@ -210,26 +204,17 @@ def bench_fp8(quick: bool):
         # quantisers alone, and the wgrad GEMM forced onto scaled_mm (a layout error would show here)
         row["quant_x_ms"] = timeit(lambda: quantize_act(x))
         row["quant_x_gbs"] = 3 * m * k / (row["quant_x_ms"] * 1e-3) / 1e9  # read 2 B + write 1 B per element
-        # dy's two layouts (issue #7): unfused (torch's transposing copy + the row kernel), and the variants of
-        # the fused path -- two kernels (split, the default) or one read per [128, 128] tile, each with an IEEE
-        # division per element (rn, the default) or Markstein's reciprocal-and-correction; their bytes must
-        # equal the unfused path's (bytes moved per element: split 4 read + 2 written, tile 2 + 2)
+        # dy's two layouts (issue #7): unfused (torch's transposing copy + the row kernel) and as the module makes
+        # them (the row kernel, then the fused column kernel); the latter's bytes and scales must equal the former's
         from miles_nvidia.fp8.quant_triton import quantize_act_both_triton
         with _env("MILES_FP8_FUSED_TRANSPOSE", "0"):
             ref_bytes = quantize_act_both_triton(dy, 128)
-            row["quant_dy_both_ms"] = timeit(lambda: quantize_act_both_triton(dy, 128))
-        row["dy_variants"] = {}
-        for vname, (kernel, warps, div) in DY_VARIANTS.items():
-            try:
-                with _env("MILES_FP8_DIV", div):
-                    got = quantize_act_both_triton(dy, 128, kernel=kernel, warps=warps)
-                    bad = sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) + int((sa != sb).sum())
-                              for a, b, sa, sb in ((got[0], ref_bytes[0], got[1], ref_bytes[1]), (got[2], ref_bytes[2], got[3], ref_bytes[3])))
-                    ms = timeit(lambda: quantize_act_both_triton(dy, 128, kernel=kernel, warps=warps))
-                row["dy_variants"][vname] = {"ms": ms, "tb_s": (4 if kernel == "tile" else 6) * m * n / (ms * 1e-3) / 1e12, "bad_bytes": bad}
-            except Exception as exc:  # a config that does not compile (registers) is reported, not fatal
-                row["dy_variants"][vname] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
-        del ref_bytes
+            row["quant_dy_both_unfused_ms"] = timeit(lambda: quantize_act_both_triton(dy, 128))
+        row["quant_dy_both_ms"] = timeit(lambda: quantize_act_both_triton(dy, 128))
+        got = quantize_act_both_triton(dy, 128)
+        row["quant_dy_both_bad"] = sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) + int((sa != sb).sum())
+                                       for a, b, sa, sb in ((got[0], ref_bytes[0], got[1], ref_bytes[1]), (got[2], ref_bytes[2], got[3], ref_bytes[3])))
+        del ref_bytes, got
         row["quant_w_ms"] = timeit(lambda: quantize_weight(w, transposed=True))
         qdy, sdy, qdyt, sdyt = quantize_act_both(dy)
         qxt, sxt = quantize_act_t(x)
@@ -282,9 +267,9 @@ def bench_fp8(quick: bool):
     table(f"FP8 blockwise (1x128 act, 128x128 weight) vs bf16, forward, M={m}", ["shape", "N", "K", "bf16 ms", "bf16 compile ms", "fp8 scaled_mm ms", "fp8 triton ms", "fp8 linear+quant ms", "fp8 module fwd ms", "GEMM speedup", "linear speedup", "module fwd speedup"],
           [[r["shape"], r["N"], r["K"], f(r, "bf16_eager_ms"), f(r, "bf16_compile_ms"), f(r, "fp8_scaled_mm_gemm_ms"), f(r, "fp8_triton_gemm_ms"),
             f(r, "fp8_linear_incl_quant_ms"), f(r, "fp8_module_fwd_ms"), f"{r['speedup_gemm']:.2f}x", f"{r['speedup_linear_incl_quant']:.2f}x", f"{r['speedup_module_fwd']:.2f}x"] for r in out])
-    table(f"FP8 linear forward+backward vs bf16 (dx and dW), M={m}", ["shape", "bf16 fwd+bwd ms", "fp8 module fwd+bwd ms", "fwd+bwd speedup", "quant x ms", "quant x GB/s", "quant dy (both, unfused) ms", "quant W (+W.T) ms", "dgrad scaled_mm ms", "wgrad scaled_mm ms", "W quantisations"],
+    table(f"FP8 linear forward+backward vs bf16 (dx and dW), M={m}", ["shape", "bf16 fwd+bwd ms", "fp8 module fwd+bwd ms", "fwd+bwd speedup", "quant x ms", "quant x GB/s", "quant dy (both) ms", "TB/s", "unfused ms", "bytes+scales != unfused", "quant W (+W.T) ms", "dgrad scaled_mm ms", "wgrad scaled_mm ms", "W quantisations"],
           [[r["shape"], f(r, "bf16_fwd_bwd_ms"), f(r, "fp8_module_fwd_bwd_ms"), f"{r['speedup_fwd_bwd']:.2f}x", f(r, "quant_x_ms"), f"{r['quant_x_gbs']:.0f}",
-            f(r, "quant_dy_both_ms"), f(r, "quant_w_ms"), f(r, "fp8_dgrad_scaled_mm_ms"),
+            f(r, "quant_dy_both_ms"), f"{6 * r['M'] * r['N'] / (r['quant_dy_both_ms'] * 1e-3) / 1e12:.2f}", f(r, "quant_dy_both_unfused_ms"), r["quant_dy_both_bad"], f(r, "quant_w_ms"), f(r, "fp8_dgrad_scaled_mm_ms"),
             f(r, "fp8_wgrad_scaled_mm_ms"), r.get("fp8_module_weight_quantisations", "err")] for r in out])
     print(FP8_LEGEND)
     med = lambda r, v: statistics.median(r["rounds"][v])  # noqa: E731
@@ -294,10 +279,6 @@ def bench_fp8(quick: bool):
             *(f"{med(r, v):.3f} ({med(r, 'bf16') / med(r, v):.2f}x) [{max(r['rounds'][v]) / min(r['rounds'][v]):.2f}]" for v in FWD_BWD_VARIANTS)]
            for r in out if "rounds" in r])
     print("  variants: " + "; ".join(f"{v}: {' '.join(f'{k}={x}' for k, x in env.items()) or 'defaults'}" for v, env in FWD_BWD_VARIANTS.items()))
-    vrows = [[r["shape"], v, f"{d['ms']:.3f}", f"{d['tb_s']:.2f}", d["bad_bytes"]] if "ms" in d else [r["shape"], v, d["error"], "", ""]
-             for r in out for v, d in r.get("dy_variants", {}).items()]
-    table(f"quantising dy [M, N] to both layouts (rows for dgrad, dy.T for wgrad), M={m}: the variants",
-          ["shape", "variant", "ms", "TB/s (bytes moved)", "bytes+scales != unfused"], vrows)
 
 FP8_LEGEND = """Columns (times are means over CUDA-synchronised loops; bf16 inputs, fp32 accumulation everywhere):
   bf16 ms / bf16 compile ms: x @ W.T, eager / torch.compile.
@@ -308,8 +289,9 @@ FP8_LEGEND = """Columns (times are means over CUDA-synchronised loops; bf16 inpu
   fp8 module fwd+bwd ms: Fp8Linear the same, weight cache warm: quant x and x.T (one pass; q(x.T) is what backward
     keeps), GEMM; quant dy (rows and dy.T in one pass), dgrad GEMM with the cached q(W).T, wgrad GEMM (bf16 out).
     Speedups are bf16 time / fp8 time.
-  quant x ms / GB/s: quantize_act(x) alone (3 bytes per element moved). quant dy (both, unfused): dy's row tiles and
-    dy.T's tiles through torch's transposing copy of pad(dy).T and the row kernel (the fused variants: the last table).
+  quant x ms / GB/s: quantize_act(x) alone (3 bytes per element moved). quant dy (both) ms / TB/s: dy's row tiles and
+    dy.T's tiles as the module makes them (row kernel, then the fused column kernel; 6 bytes per element moved over
+    both); unfused: through torch's transposing copy of pad(dy).T and the row kernel; their bytes must not differ.
   quant W (+W.T): quantize_weight(W, transposed=True), paid once per optimizer step by the module.
   dgrad / wgrad scaled_mm ms: the backward GEMMs alone forced onto torch._scaled_mm (dgrad dy @ W: 1x128 x 128x128,
     wgrad dy.T @ x: 1x128 x 1x128 scales); 'err' means the module's auto backend falls back to Triton there.

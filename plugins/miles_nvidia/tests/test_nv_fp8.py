@@ -3,8 +3,6 @@ gradients against bf16, the export round trip, and the recipe through the torch 
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from miles_nvidia.fp8.export import SUFFIX, dequantize_fp8, export_fp8
 from miles_nvidia.fp8.gemm import fp8_gemm, fp8_gemm_emulated, fp8_gemm_triton
@@ -197,12 +195,11 @@ def test_act_quantisers_bitwise_equal_torch(m, k, device):
         qb, sb = quantize_act_t_blocks_triton(x, s, pad)  # x.T in 128x128 blocks, scales from the row tiles'
         assert qb.shape == (k, mp) and sb.shape == (-(-k // 128), mp // 128)
         assert torch.equal(_bits(qb), _bits(rqb)) and torch.equal(sb, rsb)
-        for kernel in ("split", "tile"):
-            for t_blocks, (eq, es) in ((False, (rqt, rst)), (True, (rqb, rsb))):
-                q2, s2, qt2, st2 = quantize_act_both_triton(x, pad, t_blocks, kernel=kernel)
-                assert torch.equal(_bits(q2), _bits(rq)) and torch.equal(s2, rs) and s2.t().is_contiguous(), (kernel, t_blocks)
-                assert torch.equal(_bits(qt2), _bits(eq)) and torch.equal(st2, es), (kernel, t_blocks)
-                assert (st2 if t_blocks else st2.t()).is_contiguous()  # tiles: K-major, as _scaled_mm takes them
+        for t_blocks, (eq, es) in ((False, (rqt, rst)), (True, (rqb, rsb))):
+            q2, s2, qt2, st2 = quantize_act_both_triton(x, pad, t_blocks)
+            assert torch.equal(_bits(q2), _bits(rq)) and torch.equal(s2, rs) and s2.t().is_contiguous(), t_blocks
+            assert torch.equal(_bits(qt2), _bits(eq)) and torch.equal(st2, es), t_blocks
+            assert (st2 if t_blocks else st2.t()).is_contiguous()  # tiles: K-major, as _scaled_mm takes them
 
 
 def test_weight_quantiser_bitwise_and_transposed(device):
@@ -265,10 +262,9 @@ def test_gpu_quantisers_bitwise_full_shapes(m, k):
     assert torch.equal(_bits(q), _bits(rq)) and torch.equal(s, rs)
     mp = -(-m // 128) * 128
     rqt, rst = quantize_blockwise(torch.nn.functional.pad(x, (0, 0, 0, mp - m)).t(), 1)
-    for kernel in ("split", "tile"):
-        q2, s2, qt, st = quantize_act_both_triton(x, 128, kernel=kernel)
-        assert torch.equal(_bits(qt), _bits(rqt)) and torch.equal(st, rst), kernel
-        assert torch.equal(_bits(q2), _bits(rq)) and torch.equal(s2, rs), kernel
+    q2, s2, qt, st = quantize_act_both_triton(x, 128)
+    assert torch.equal(_bits(qt), _bits(rqt)) and torch.equal(st, rst)
+    assert torch.equal(_bits(q2), _bits(rq)) and torch.equal(s2, rs)
     assert torch.equal(_bits(quantize_act_t(x)[0]), _bits(rqt))
     w = x[:4096].contiguous()
     rqw, rsw = quantize_blockwise(w, 128)
@@ -280,10 +276,9 @@ def test_gpu_quantisers_bitwise_full_shapes(m, k):
     rqb, rsb = quantize_blockwise(torch.nn.functional.pad(x, (0, 0, 0, mb - m)).t(), 128)
     qb, sb = quantize_act_t_blocks(x, s)
     assert torch.equal(_bits(qb), _bits(rqb)) and torch.equal(sb, rsb)
-    for kernel in ("split", "tile"):  # x.T in blocks, with x's rows, at the blocks mode's padding
-        q3, s3, qb3, sb3 = quantize_act_both_triton(x, 512, t_blocks=True, kernel=kernel)
-        assert torch.equal(_bits(q3), _bits(rq)) and torch.equal(s3, rs), kernel
-        assert torch.equal(_bits(qb3), _bits(rqb)) and torch.equal(sb3, rsb), kernel
+    q3, s3, qb3, sb3 = quantize_act_both_triton(x, 512, t_blocks=True)  # x.T in blocks, with x's rows
+    assert torch.equal(_bits(q3), _bits(rq)) and torch.equal(s3, rs)
+    assert torch.equal(_bits(qb3), _bits(rqb)) and torch.equal(sb3, rsb)
 
 
 @pytest.mark.gpu
@@ -298,10 +293,10 @@ def test_gpu_fused_transpose_kernels_report():
     rq, rs = quantize_blockwise(x, 1)
     rqt, rst = quantize_blockwise(torch.nn.functional.pad(x, (0, 0, 0, 1)).t(), 1)
     qt, st = quantize_act_t_triton(x, fused=True)
-    q2, s2, qt2, st2 = quantize_act_both_triton(x, kernel="tile")
+    q2, s2, qt2, st2 = quantize_act_both_triton(x)
     q, s, wqt = quantize_weight_triton(x, transposed=True, fused=True)
-    report = {"cols_qt": (_bits(qt) != _bits(rqt)).sum().item(), "tile_qt": (_bits(qt2) != _bits(rqt)).sum().item(),
-              "tile_q": (_bits(q2) != _bits(rq)).sum().item(), "weight_qt": (_bits(wqt) != _bits(q.t().contiguous())).sum().item()}
+    report = {"cols_qt": (_bits(qt) != _bits(rqt)).sum().item(), "both_qt": (_bits(qt2) != _bits(rqt)).sum().item(),
+              "both_q": (_bits(q2) != _bits(rq)).sum().item(), "weight_qt": (_bits(wqt) != _bits(q.t().contiguous())).sum().item()}
     print("fused transpose kernels, differing bytes:", report)
 
 
@@ -456,13 +451,12 @@ def test_quantisers_compile_for_sm90_with_exact_division_and_rne_cast():
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout)
-    assert len(report) == len(("rows", "rows_markstein", "cols", "cols_blocks", "tile", "tile_blocks", "weight", "weight_t"))
+    assert len(report) == len(("rows", "cols", "cols_blocks", "weight", "weight_t"))
     for name, r in report.items():
         assert r["div_rn"] and not r["div_approx"] and r["cvt_rne_e4m3"], (name, r)
-        assert r["spill_bytes"] == 0 or name.startswith("tile"), (name, r)  # the opt-in one-read kernel spills (measured)
+        assert r["spill_bytes"] == 0, (name, r)
         assert r["f8_layout_moves"] == 0, (name, r)
-        assert (r["i8_layout_moves"] == 0) == (name in ("rows", "rows_markstein", "weight")), (name, r)
-    assert report["rows_markstein"]["fma_rn"] and not report["rows"]["fma_rn"]  # the switch reaches the kernels
+        assert (r["i8_layout_moves"] == 0) == (name in ("rows", "weight")), (name, r)
 
 
 def test_trainer_optimizer_step_invalidates_the_weight_cache():
@@ -525,66 +519,3 @@ def test_backward_keeps_x_transposed_in_fp8_and_its_wgrad_is_unchanged(mode, mon
     y1 = fp8_linear(x, w.detach(), backend="emulated")  # frozen weight: dx only, nothing kept for a wgrad
     assert y1.grad_fn.saved_tensors == () and torch.equal(torch.autograd.grad(y1, x, dy)[0], gx)
 
-
-@triton.jit
-def _markstein_pairs_kernel(bad_ptr, XB: tl.constexpr):
-    """Program (a, j): amax = the a-th positive finite bf16, scale = RN(max(amax, 1e-12) / 448) as the
-    quantisers make it; every bf16 x in (0, amax] of chunk j: the IEEE quotient's bits against the
-    reciprocal-and-correction quotient's (quant_triton._quant); mismatches counted into bad_ptr."""
-    a_bits = tl.program_id(0) + 1
-    amax = (a_bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    s = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
-    xb = tl.program_id(1) * XB + 1 + tl.arange(0, XB)
-    x = (xb.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    sv = tl.full((XB,), 1.0, tl.float32) * s
-    q_rn = tl.math.div_rn(x, sv)
-    r = tl.math.div_rn(tl.full((XB,), 1.0, tl.float32), sv)
-    q0 = x * r
-    q = tl.math.fma(tl.math.fma(-q0, sv, x), r, q0)
-    bad = (q.to(tl.uint32, bitcast=True) != q_rn.to(tl.uint32, bitcast=True)) & (xb <= a_bits)
-    tl.atomic_add(bad_ptr, tl.sum(bad.to(tl.int32), 0))
-
-
-@pytest.mark.gpu
-def test_gpu_markstein_division_exhaustive():
-    """MILES_FP8_DIV=markstein divides by a scale with one reciprocal and two FMAs: equal to IEEE
-    division for every pair the quantisers can meet on bf16 input -- every positive finite bf16 value x
-    and every scale made from a bf16 amax >= x (2^29 pairs; the sign is symmetric) -- and on 2^24 random
-    fp32 pairs over 12 decades; and the quantisers' bytes are the same either way at a full shape."""
-    import os
-
-    from miles_nvidia.fp8 import quant_triton as qtr
-
-    n_pos = 0x7F80 - 1  # bf16 bit patterns of the positive finite values
-    bad = torch.zeros(1, dtype=torch.int32, device="cuda")
-    _markstein_pairs_kernel[(n_pos, triton.cdiv(n_pos, 1024))](bad, XB=1024)
-    assert int(bad) == 0
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(1 << 24, device="cuda", generator=g) * 10 ** (torch.rand(1 << 24, device="cuda", generator=g) * 12 - 6)
-    amax = x.abs() * (1 + torch.rand(1 << 24, device="cuda", generator=g) * 100)
-    s = amax.clamp(min=1e-12) / torch.full_like(amax, 448.0)
-    y = torch.empty_like(x)
-    _fma_quotient_kernel[(triton.cdiv(x.numel(), 4096),)](x, s, y, x.numel(), BLOCK=4096)
-    assert torch.equal(y.view(torch.int32), (x / s).view(torch.int32))  # tensor / tensor: IEEE division on CUDA
-    xa = _hard_input(4096, 6144, "cuda")
-    old = os.environ.get("MILES_FP8_DIV")
-    try:
-        outs = {}
-        for mode in ("rn", "markstein"):
-            os.environ["MILES_FP8_DIV"] = mode
-            outs[mode] = [qtr.quantize_act_both_triton(xa, 512, t_blocks=tb) for tb in (False, True)] + [qtr.quantize_weight_triton(xa)]
-    finally:
-        os.environ.pop("MILES_FP8_DIV") if old is None else os.environ.__setitem__("MILES_FP8_DIV", old)
-    for a, b in zip(outs["rn"], outs["markstein"]):
-        for ta, tb in zip(a, b):
-            assert torch.equal(ta.view(torch.uint8) if ta.dtype == torch.float8_e4m3fn else ta, tb.view(torch.uint8) if tb.dtype == torch.float8_e4m3fn else tb)
-
-
-@triton.jit
-def _fma_quotient_kernel(x_ptr, s_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + i, mask=i < n, other=1.0)
-    s = tl.load(s_ptr + i, mask=i < n, other=1.0)
-    r = tl.math.div_rn(tl.full((BLOCK,), 1.0, tl.float32), s)
-    q0 = x * r
-    tl.store(y_ptr + i, tl.math.fma(tl.math.fma(-q0, s, x), r, q0), mask=i < n)

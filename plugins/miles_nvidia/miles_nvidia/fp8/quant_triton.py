@@ -15,8 +15,11 @@ Same arithmetic as the reference: ``amax = max(max|tile|, 1e-12)``, ``s = amax /
   copy) and the row kernel quantises it. :func:`quantize_act_t_blocks_triton`: the same in 128x128
   blocks, from the row tiles' scales.
 * :func:`quantize_act_both_triton` -- both layouts of one tensor (the forward's x, the backward's dy):
-  the row and column kernels one after the other (default), or one [128, 128] tile per program read
-  once and stored both ways (``MILES_FP8_BOTH=tile``, :func:`_act_tile_kernel`).
+  the row kernel, then the column kernel. Two kernels that read x once each beat every one-read kernel
+  tried on the H200 (``bench_nvidia.py --only fp8``): a [128, 128] block walked in [32, 128] pieces,
+  reloaded from cache for the second layout (0.9 TB/s against 1.9, 2026-12-03/04), and one [128, 128]
+  tile per program held in registers (8 or 16 warps; ptxas spills 400-800 bytes a thread): 1.8 ms
+  against 0.95 for dy [16384, 24576] (2026-12-04, docs/benchmarks.md, session 11).
 * :func:`quantize_weight_triton` -- 128x128 blocks, ``s`` [N/128, K/128]; with ``transposed=True`` also
   ``q(W).T`` [K, N] (a block's scale does not change under transposition, so ``q(W.T) = q(W).T`` and
   its scales are ``s.T``). Default: torch copies ``q.T`` (exact); fused (opt-in,
@@ -86,35 +89,28 @@ def _scale(amax, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _quant(x, scale, QMAX: tl.constexpr, DIV_RN: tl.constexpr):
-    """``clamp(x / scale)`` in fp32 (``scale`` broadcastable to x), the quotient correctly rounded either way
-    (``DIV_RN``: an IEEE division per element; else see :func:`div_rn`)."""
-    if DIV_RN:  # also the interpreter's: numpy's IEEE division (its fma would round twice)
-        q = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))  # div_rn does not broadcast
-    else:  # one IEEE division per scale, then Markstein's correction per element (see the module doc)
-        s = tl.broadcast_to(scale, x.shape)
-        r = tl.broadcast_to(tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), x.shape)
-        q0 = x * r
-        q = tl.math.fma(tl.math.fma(-q0, s, x), r, q0)
+def _quant(x, scale, QMAX: tl.constexpr):
+    """``clamp(x / scale)`` in fp32 (``scale`` broadcastable to x)."""
+    q = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))  # div_rn does not broadcast
     return tl.minimum(tl.maximum(q, -QMAX), QMAX)
 
 
 @triton.jit
 def _act_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm, s_sk,
-                     BLOCK_M: tl.constexpr, TILE: tl.constexpr, QMAX: tl.constexpr, EMULATE_RNE: tl.constexpr, DIV_RN: tl.constexpr):
+                     BLOCK_M: tl.constexpr, TILE: tl.constexpr, QMAX: tl.constexpr, EMULATE_RNE: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M*K may pass 2^31
     rk = tl.program_id(1) * TILE + tl.arange(0, TILE)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     x = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = _scale(tl.max(tl.abs(x), 1)[:, None], QMAX)  # [BLOCK_M, 1]
-    q = _quant(x, scale, QMAX, DIV_RN)
+    q = _quant(x, scale, QMAX)
     tl.store(q_ptr + rm[:, None] * s_qm + rk[None, :], _to_e4m3(q, EMULATE_RNE), mask=mask)
     tl.store(s_ptr + tl.program_id(1) * s_sk + rm[:, None], scale, mask=rm[:, None] < M)
 
 
 @triton.jit
 def _act_cols_kernel(x_ptr, qt_ptr, st_ptr, M, K, s_xm, s_qtk, s_stm, s_stk,
-                     BLOCK_K: tl.constexpr, TILE: tl.constexpr, QMAX: tl.constexpr, EMULATE_RNE: tl.constexpr, DIV_RN: tl.constexpr,
+                     BLOCK_K: tl.constexpr, TILE: tl.constexpr, QMAX: tl.constexpr, EMULATE_RNE: tl.constexpr,
                      GIVEN_SCALES: tl.constexpr):
     """``GIVEN_SCALES``: quantise with the 128x128 block scales at ``st_ptr`` ([K/128, Mp/128], strides
     ``s_stk``, ``s_stm``) instead of each column's amax (which it then does not store)."""
@@ -126,45 +122,21 @@ def _act_cols_kernel(x_ptr, qt_ptr, st_ptr, M, K, s_xm, s_qtk, s_stm, s_stk,
         scale = tl.load(st_ptr + (rk // TILE)[None, :] * s_stk + tl.program_id(0) * s_stm, mask=rk[None, :] < K, other=1.0)
     else:
         scale = _scale(tl.max(tl.abs(x), 0)[None, :], QMAX)  # one per column: [1, BLOCK_K]
-    qt = tl.trans(_bytes(_to_e4m3(_quant(x, scale, QMAX, DIV_RN), EMULATE_RNE)))  # [BLOCK_K, TILE]
+    qt = tl.trans(_bytes(_to_e4m3(_quant(x, scale, QMAX), EMULATE_RNE)))  # [BLOCK_K, TILE]
     tl.store(qt_ptr + rk[:, None] * s_qtk + rm[None, :], qt, mask=rk[:, None] < K)
     if not GIVEN_SCALES:
         tl.store(st_ptr + tl.program_id(0) * s_stm + rk[None, :], scale, mask=rk[None, :] < K)
 
 
 @triton.jit
-def _act_tile_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, s_xm, s_qm, s_sk, s_qtk, s_stm, s_stk,
-                     TILE: tl.constexpr, QMAX: tl.constexpr, EMULATE_RNE: tl.constexpr, DIV_RN: tl.constexpr, BLOCK_SCALES: tl.constexpr):
-    """Both layouts of one [128 tokens, 128] tile from a single load kept in registers: x's 1x128 row
-    tiles (``q``, ``s``) and the tile of ``pad(x).T`` (``qt``) with, per column, the amax of its 128
-    tokens (``st`` [K, Mp/128] through ``s_stm``), or with ``BLOCK_SCALES`` one 128x128 block scale, the
-    largest of the tile's row scales (``st`` [K/128, Mp/128] through ``s_stk``, ``s_stm``)."""
-    rm = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)  # tokens; rows M..Mp load as zeros
-    rk = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
-    mask = (rm[:, None] < M) & (rk[None, :] < K)
-    x = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    sr = _scale(tl.max(tl.abs(x), 1)[:, None], QMAX)  # [TILE, 1]
-    tl.store(q_ptr + rm[:, None] * s_qm + rk[None, :], _to_e4m3(_quant(x, sr, QMAX, DIV_RN), EMULATE_RNE), mask=mask)
-    tl.store(s_ptr + tl.program_id(1) * s_sk + rm[:, None], sr, mask=rm[:, None] < M)
-    if BLOCK_SCALES:  # max(a) / 448 == max(a / 448): the block's scale is its largest row scale, exactly
-        sc = tl.max(sr, 0, keep_dims=True)  # [1, 1]
-        tl.store(st_ptr + tl.program_id(1) * s_stk + tl.program_id(0) * s_stm + tl.zeros((1, 1), tl.int32), sc)
-    else:
-        sc = _scale(tl.max(tl.abs(x), 0)[None, :], QMAX)  # [1, TILE]
-        tl.store(st_ptr + tl.program_id(0) * s_stm + rk[None, :], sc, mask=rk[None, :] < K)
-    qt = tl.trans(_bytes(_to_e4m3(_quant(x, sc, QMAX, DIV_RN), EMULATE_RNE)))  # [TILE, TILE]
-    tl.store(qt_ptr + rk[:, None] * s_qtk + rm[None, :], qt, mask=rk[:, None] < K)
-
-
-@triton.jit
 def _weight_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, s_wn, s_qn, s_qtk, s_sn,
-                   TILE: tl.constexpr, QMAX: tl.constexpr, TRANSPOSED: tl.constexpr, EMULATE_RNE: tl.constexpr, DIV_RN: tl.constexpr):
+                   TILE: tl.constexpr, QMAX: tl.constexpr, TRANSPOSED: tl.constexpr, EMULATE_RNE: tl.constexpr):
     rn = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
     rk = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
     mask = (rn[:, None] < N) & (rk[None, :] < K)
     x = tl.load(w_ptr + rn[:, None] * s_wn + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = _scale(tl.max(tl.max(tl.abs(x), 1, keep_dims=True), 0, keep_dims=True), QMAX)  # [1, 1]
-    q8 = _to_e4m3(_quant(x, scale, QMAX, DIV_RN), EMULATE_RNE)
+    q8 = _to_e4m3(_quant(x, scale, QMAX), EMULATE_RNE)
     tl.store(q_ptr + rn[:, None] * s_qn + rk[None, :], q8, mask=mask)
     if TRANSPOSED:
         tl.store(qt_ptr + rk[:, None] * s_qtk + rn[None, :], tl.trans(_bytes(q8)), mask=(rk[:, None] < K) & (rn[None, :] < N))
@@ -180,20 +152,6 @@ def _warps(n: int) -> dict:
     return {} if interpreting() else {"num_warps": n}
 
 
-def div_rn() -> bool:
-    """How the kernels divide by a scale (``MILES_FP8_DIV``). ``rn`` (default): ``div.rn.f32`` per element.
-    ``markstein``: ``r = RN(1/s)`` once per scale, then per element ``q0 = RN(x r)``,
-    ``q = RN(q0 + RN(x - q0 s) r)`` (two FMAs) -- the correctly rounded ``x / s`` by Markstein's theorem (``r``
-    within half an ulp of 1/s, ``q0`` within one ulp of x/s, no overflow; an underflowing quotient is far
-    below e4m3's smallest step, so its byte is 0 either way), checked bit for bit over every pair of
-    bf16 value and bf16-amax scale on the H200 (``test_gpu_markstein_division_exhaustive``). The
-    interpreter always divides."""
-    v = os.environ.get("MILES_FP8_DIV", "rn")
-    if v not in ("rn", "markstein"):
-        raise ValueError(f"MILES_FP8_DIV={v!r}: one of rn, markstein")
-    return v == "rn" or interpreting()
-
-
 def fused_transpose(fused: bool | None = None) -> bool:
     """Whether the activations' transposed tiles come from the fused kernels (default, see the module doc)."""
     return fused if fused is not None else os.environ.get("MILES_FP8_FUSED_TRANSPOSE", "1") != "0"
@@ -202,18 +160,6 @@ def fused_transpose(fused: bool | None = None) -> bool:
 def fused_weight_transpose(fused: bool | None = None) -> bool:
     """Whether q(W).T comes from the weight kernel (opt-in: wrong on the H200, see the module doc)."""
     return fused if fused is not None else os.environ.get("MILES_FP8_FUSED_WEIGHT_TRANSPOSE", "") == "1"
-
-
-def both_kernel(kernel: str | None = None) -> str:
-    """How :func:`quantize_act_both_triton` makes the two layouts (``MILES_FP8_BOTH``): ``split`` (default),
-    the row kernel and the column kernel, two plain streaming reads of the input; or ``tile``, one read,
-    :func:`_act_tile_kernel`. Both give the same bytes. History: a one-read kernel that walked a
-    [128, 128] block in [32, 128] pieces, reloading them from cache for the second layout, ran at
-    0.9 TB/s on the H200 against the split path's 1.9 (2026-12-03/04), and is gone."""
-    kernel = kernel or os.environ.get("MILES_FP8_BOTH", "split")
-    if kernel not in ("split", "tile"):
-        raise ValueError(f"MILES_FP8_BOTH={kernel!r}: one of split, tile")
-    return kernel
 
 
 def _padded_t(x: torch.Tensor, pad: int = BLOCK) -> torch.Tensor:
@@ -245,7 +191,7 @@ def quantize_act_triton(x: torch.Tensor, block_m: int | None = None, warps: int 
     if m and k:
         _act_rows_kernel[(triton.cdiv(m, bm), triton.cdiv(k, BLOCK))](  # tokens on grid x (no 65535 cap)
             x, q, st, m, k, x.stride(0), q.stride(0), st.stride(0),
-            BLOCK_M=bm, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), DIV_RN=div_rn(), **_warps(warps))
+            BLOCK_M=bm, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), **_warps(warps))
     return q, st.t()
 
 
@@ -267,36 +213,19 @@ def quantize_act_t_triton(x: torch.Tensor, fused: bool | None = None, warps: int
         # launch, 0.88 ms)
         _act_cols_kernel[(mp // BLOCK, triton.cdiv(k, block_k))](
             x, qt.view(torch.int8), stt, m, k, x.stride(0), qt.stride(0), stt.stride(0), stt.stride(1),
-            BLOCK_K=block_k, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), DIV_RN=div_rn(), GIVEN_SCALES=False, **_warps(warps or 4))
+            BLOCK_K=block_k, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), GIVEN_SCALES=False, **_warps(warps or 4))
     return qt, stt.t()
 
 
-def quantize_act_both_triton(x: torch.Tensor, pad: int = BLOCK, t_blocks: bool = False, kernel: str | None = None,
-                             warps: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_act_both_triton(x: torch.Tensor, pad: int = BLOCK, t_blocks: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both FP8 layouts of an activation (or of its gradient): ``(q, s, qt, st)``, ``q``/``s`` as
     :func:`quantize_act_triton` gives them (the forward's or dgrad's operand) and ``qt``/``st`` the
     wgrad operand ``pad(x, Mp).T``: in 1x128 tiles along the tokens as :func:`quantize_act_t_triton`
-    gives them, or with ``t_blocks`` in 128x128 blocks as :func:`quantize_act_t_blocks_triton`.
-    ``kernel``: see :func:`both_kernel`; ``warps`` shapes the one-read kernel."""
-    assert pad % BLOCK == 0, pad
-    if both_kernel(kernel) == "split" or not fused_transpose():
-        q, s = quantize_act_triton(x)
-        return (q, s, *(quantize_act_t_blocks_triton(x, s, pad) if t_blocks else quantize_act_t_triton(x, pad=pad)))
-    x = _unit_stride(x)
-    m, k = x.shape
-    mp, kb = triton.cdiv(m, pad) * pad, triton.cdiv(k, BLOCK)
-    q = torch.empty(m, k, dtype=E4M3, device=x.device)
-    sr = torch.empty(kb, m, dtype=torch.float32, device=x.device)
-    qt = torch.empty(k, mp, dtype=E4M3, device=x.device)
-    st = torch.empty(kb, mp // BLOCK, dtype=torch.float32, device=x.device) if t_blocks else \
-        torch.empty(mp // BLOCK, k, dtype=torch.float32, device=x.device)
-    # blocks: st [K/128, Mp/128], strides (s_stk, s_stm); tiles: st stored [Mp/128, K] (returned transposed)
-    s_stm, s_stk = (st.stride(1), st.stride(0)) if t_blocks else (st.stride(0), 0)
-    if mp and k:
-        _act_tile_kernel[(mp // BLOCK, kb)](
-            x, q, sr, qt.view(torch.int8), st, m, k, x.stride(0), q.stride(0), sr.stride(0), qt.stride(0), s_stm, s_stk,
-            TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), DIV_RN=div_rn(), BLOCK_SCALES=t_blocks, **_warps(warps))
-    return q, sr.t(), qt, (st if t_blocks else st.t())
+    gives them, or with ``t_blocks`` in 128x128 blocks as :func:`quantize_act_t_blocks_triton` (from the
+    row tiles' scales). Two streaming kernels, each reading x once: on the H200 every one-read kernel
+    tried was slower (see the module doc)."""
+    q, s = quantize_act_triton(x)
+    return q, s, *(quantize_act_t_blocks_triton(x, s, pad) if t_blocks else quantize_act_t_triton(x, pad=pad))
 
 
 def quantize_act_t_blocks_triton(x: torch.Tensor, row_scales: torch.Tensor, pad: int = 4 * BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,7 +246,7 @@ def quantize_act_t_blocks_triton(x: torch.Tensor, row_scales: torch.Tensor, pad:
     if mp and k:
         _act_cols_kernel[(mp // BLOCK, triton.cdiv(k, 32))](
             x, qt.view(torch.int8), s, m, k, x.stride(0), qt.stride(0), s.stride(1), s.stride(0),
-            BLOCK_K=32, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), DIV_RN=div_rn(), GIVEN_SCALES=True, **_warps(4))
+            BLOCK_K=32, TILE=BLOCK, QMAX=E4M3_MAX, EMULATE_RNE=interpreting(), GIVEN_SCALES=True, **_warps(4))
     return qt, s
 
 
@@ -333,7 +262,7 @@ def quantize_weight_triton(w: torch.Tensor, transposed: bool = False, fused: boo
     if n and k:
         _weight_kernel[(s.shape[0], s.shape[1])](
             w, q, qt.view(torch.int8), s, n, k, w.stride(0), q.stride(0), qt.stride(0), s.stride(0),
-            TILE=BLOCK, QMAX=E4M3_MAX, TRANSPOSED=in_kernel, EMULATE_RNE=interpreting(), DIV_RN=div_rn(), **_warps(8))
+            TILE=BLOCK, QMAX=E4M3_MAX, TRANSPOSED=in_kernel, EMULATE_RNE=interpreting(), **_warps(8))
     if transposed and not in_kernel:
         qt = q.t().contiguous()  # torch's transposing copy of the bytes: exactly q.T
     return (q, s, qt) if transposed else (q, s)
