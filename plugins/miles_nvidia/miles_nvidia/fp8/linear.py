@@ -20,8 +20,8 @@ Weight-gradient operands (``MILES_FP8_WGRAD``), a departure from DeepSeek-V3 by 
 * ``dy_blocks``: dy.T in 128x128 blocks, x.T in tiles (DeepSeek-V3 reports block-quantised activation
   gradients hurting training; here to be measured).
 
-Why ``blocks`` is the default (H200 and this repo's CPU, 2026-12-04; docs/benchmarks.md, session 10):
-8B gate_up forward+backward 1.41x bf16 against 1.30x for ``tiles``; on the activations and gradients of a
+Why ``blocks`` is the default (H200 and this repo's CPU, 2026-12-04; docs/benchmarks.md, sessions 10-11):
+8B gate_up forward+backward 1.43-1.46x bf16 against 1.36-1.37x for ``tiles`` (medians of interleaved rounds); on the activations and gradients of a
 real model (SmolLM2-135M on English text, ``plugins/miles_nvidia/benchmarks/fp8_wgrad_error.py``) its dW error is 1.00-1.04x
 the error of ``tiles`` per layer kind (``dy_blocks``: 1.04-1.35x); the 200-step quickstart loss over 16
 seeds is +0.60% from bf16 (``tiles`` +0.51%, fp32 +0.34%: one seed alone moves by up to 5%). A block
