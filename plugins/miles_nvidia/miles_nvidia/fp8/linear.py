@@ -21,13 +21,14 @@ Weight-gradient operands (``MILES_FP8_WGRAD``), a departure from DeepSeek-V3 by 
   gradients hurting training; here to be measured).
 
 Why ``blocks`` is the default (H200 and this repo's CPU, 2026-12-04; docs/benchmarks.md, sessions 10-11):
-8B gate_up forward+backward 1.43-1.46x bf16 against 1.36-1.37x for ``tiles`` (medians of interleaved rounds); on the activations and gradients of a
-real model (SmolLM2-135M on English text, ``plugins/miles_nvidia/benchmarks/fp8_wgrad_error.py``) its dW error is 1.00-1.04x
-the error of ``tiles`` per layer kind (``dy_blocks``: 1.04-1.35x); the 200-step quickstart loss over 16
-seeds is +0.60% from bf16 (``tiles`` +0.51%, fp32 +0.34%: one seed alone moves by up to 5%). A block
-shares one scale over 128 tokens x 128 channels, so a value far below the block's largest keeps less
-relative precision than in its own tile (e4m3 keeps 3 mantissa bits down to about 3.5e-5 of the
-scale's amax); where that matters, ``MILES_FP8_WGRAD=tiles`` gives DeepSeek-V3's recipe.
+8B gate_up forward+backward 1.43-1.46x bf16 against 1.36-1.37x for ``tiles`` (medians of interleaved
+rounds); on the activations and gradients of a real model (SmolLM2-135M on English text,
+``plugins/miles_nvidia/benchmarks/fp8_wgrad_error.py``) its dW error is 1.00-1.04x the error of ``tiles``
+per layer kind (``dy_blocks``: 1.04-1.35x); the 200-step quickstart loss over 16 seeds is +0.60% from
+bf16 (``tiles`` +0.51%, fp32 +0.34%: one seed alone moves by up to 5%). A block shares one scale over
+128 tokens x 128 channels, so a value far below the block's largest keeps less relative precision than
+in its own tile (e4m3 keeps 3 mantissa bits down to about 3.5e-5 of the scale's amax);
+where that matters, ``MILES_FP8_WGRAD=tiles`` gives DeepSeek-V3's recipe.
 
 Weight cache (departure from DeepSeek-V3's "quantise on the fly" and from this module's first
 version): :class:`Fp8Linear` keeps, on the module instance, one quantisation of its weight --

@@ -76,12 +76,9 @@ def quantize_act_t(x: torch.Tensor, pad: int = BLOCK) -> tuple[torch.Tensor, tor
 def quantize_act_both(x: torch.Tensor, pad: int = BLOCK, t_blocks: bool = False):
     """What one activation (or gradient) feeds two GEMMs with: ``(q, s, qt, st)``, :func:`quantize_act`
     of ``x`` and the wgrad operand ``pad(x).T`` -- :func:`quantize_act_t`, or with ``t_blocks``
-    :func:`quantize_act_t_blocks`."""
-    if x.is_cuda:
-        from miles_nvidia.fp8.quant_triton import quantize_act_both_triton
-
-        return quantize_act_both_triton(x, pad, t_blocks)
-    return (*quantize_blockwise(x, 1), *quantize_blockwise(_pad_rows(x, pad).t(), BLOCK if t_blocks else 1))
+    :func:`quantize_act_t_blocks` (on CUDA from the row tiles' scales ``s``)."""
+    q, s = quantize_act(x)
+    return q, s, *(quantize_act_t_blocks(x, s, pad) if t_blocks else quantize_act_t(x, pad))
 
 
 def quantize_act_t_blocks(x: torch.Tensor, row_scales: torch.Tensor | None = None, pad: int = 4 * BLOCK):

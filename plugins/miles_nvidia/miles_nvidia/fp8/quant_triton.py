@@ -223,7 +223,8 @@ def quantize_act_both_triton(x: torch.Tensor, pad: int = BLOCK, t_blocks: bool =
     wgrad operand ``pad(x, Mp).T``: in 1x128 tiles along the tokens as :func:`quantize_act_t_triton`
     gives them, or with ``t_blocks`` in 128x128 blocks as :func:`quantize_act_t_blocks_triton` (from the
     row tiles' scales). Two streaming kernels, each reading x once: on the H200 every one-read kernel
-    tried was slower (see the module doc)."""
+    tried was slower (see the module doc). :func:`miles_nvidia.fp8.quant.quantize_act_both` reaches the
+    same kernels on CUDA; this one runs them anywhere (the interpreter's tests)."""
     q, s = quantize_act_triton(x)
     return q, s, *(quantize_act_t_blocks_triton(x, s, pad) if t_blocks else quantize_act_t_triton(x, pad=pad))
 
