@@ -17,6 +17,9 @@ class EngineConfig:
     max_batched_tokens: int = 8192  # prompt tokens prefilled per step (longer prompts are chunked)
     max_model_len: int = 8192  # prompt + response, capped by the model's max_position_embeddings
     decode_steps: int = 8  # decode steps run on the device between two host syncs
+    # launch the next decode window of an unchanged batch before reading the last one's tokens, so the
+    # host's bookkeeping overlaps the device's work (core.py); off: each window is read before the next starts
+    overlap_windows: bool = True
     cuda_graphs: bool = True  # capture decode in CUDA graphs (GPU only)
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
     triton_decode: bool = True  # the Triton paged-decode kernel on GPU (falls back to torch)

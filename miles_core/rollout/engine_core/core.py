@@ -12,6 +12,13 @@ Each :meth:`EngineCore.step` asks the scheduler for a plan and runs it:
   own pages or to the padding page, and are never read). On CPU the window runs through
   :mod:`.cpu_decode` (``EngineConfig.cpu_decode_window``): contiguous K/V kept across windows,
   a fraction of the per-step host work.
+* overlapped windows (``EngineConfig.overlap_windows``, device paths): while the same requests keep
+  decoding, the next window is launched before the last one's tokens are read, so the device runs
+  window ``w + 1`` while the host hands out window ``w``'s tokens and checks their stop conditions
+  (SGLang's overlap scheduler does the same for its batches). The tokens travel to pinned host
+  memory behind an event; the host waits for that window alone. A request that stops inside window
+  ``w`` has decoded one window too many: those tokens are dropped like the rest of a window after a
+  stop, and their K/V went to the request's own pages, freed (in stream order) after it ends.
 
 The core is single-threaded; :mod:`miles_core.rollout.engine_core.threaded` drives it from a
 background thread for the HTTP server.
@@ -22,6 +29,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -75,6 +83,8 @@ class EngineCore:
         self._pending: list[RequestOutput] = []  # aborts, reported by the next step
         self._st_cache: tuple[list[Request], SamplingTensors | None] = ([], None)  # see _sampling_tensors
         self.released: set[str] = set()
+        self._inflight: _Window | None = None  # a launched decode window whose tokens are not handed out yet
+        self.windows_ahead = 0  # decode windows launched before the previous one was read (overlap_windows)
         self._allocate_kv()
 
     # ------------------------------------------------------------------ memory
@@ -105,6 +115,7 @@ class EngineCore:
         tags = set(tags)
         if bad := tags - {"weights", "kv_cache"}:
             raise MilesUserError(f"release_memory: unknown tags {sorted(bad)} (use weights, kv_cache)")
+        self._drain()
         if self.has_unfinished():
             raise MilesUserError("release_memory: requests are in flight; abort or finish them first")
         if "kv_cache" in tags and "kv_cache" not in self.released:
@@ -139,6 +150,7 @@ class EngineCore:
     @torch.no_grad()
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Copy tensors (names as in the model's state dict) into the weights, in place."""
+        self._drain()  # a window in flight finishes with the weights it started with
         own = self.model.state_dict()
         unknown = [n for n in state_dict if n not in own]
         if unknown:
@@ -207,7 +219,13 @@ class EngineCore:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
+
+    def _drain(self) -> None:
+        """Hand out the window in flight, if any (its outputs go to the next step's report)."""
+        if self._inflight is not None:
+            w, self._inflight = self._inflight, None
+            self._pending += self._collect(w)
 
     def _finish(self, req: Request, reason: str, matched=None) -> None:
         req.finish_reason, req.matched_stop = reason, matched
@@ -218,6 +236,9 @@ class EngineCore:
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        if self._inflight is not None:
+            w, self._inflight = self._inflight, None
+            return outputs + self._hand_out(w)
         if not self.scheduler.has_work():
             return outputs
         self._check_resident()
@@ -302,10 +323,32 @@ class EngineCore:
         reqs, k = plan.requests, plan.steps
         if not reqs:
             return []
-        run, dev, p = self.runner, self.device, self.cfg.block_size
+        run = self.runner
+        last = torch.tensor([[r.output_ids[-1], r.num_tokens - 1, len(r.output_ids)] for r in reqs], dtype=torch.long, device=self.device)
+        st, counters = self._sampling_tensors(reqs), last[:, 2]
+        if self.cfg.cpu_decode_window and cpu_decode.supported(run):
+            w = self._cpu.window(reqs, last[:, 0], last[:, 1], self._tables(reqs), k, lambda z, j: sample(z, st, counters + j))
+            outputs = self._window_outputs(reqs, w.tokens, w.logprobs, w.tops, w.routes)
+            if not self.scheduler.running:  # nothing left to decode: free the kept K/V buffer
+                self._cpu.reset()
+            return outputs
         b = len(reqs)
+        run.tokens[:b] = last[:, 0]
+        run.positions[:b] = last[:, 1]
+        run.ctx_lens[:b] = (last[:, 1] + 1).to(torch.int32)
+        if run.use_graphs:  # padding rows of the bucket: context 0, page 0
+            end = run._bucket(b)
+            run.tokens[b:end] = 0
+            run.positions[b:end] = 0
+            run.ctx_lens[b:end] = 0
+            run.block_tables[b:end] = 0
+        return self._hand_out(self._launch(reqs, k, counters, ahead=0))
+
+    def _tables(self, reqs: list[Request]) -> torch.Tensor:
+        """The rows' page tables [B, max_blocks], brought up to date (only new pages travel)."""
+        dev = self.device
         rows, cols, vals, zero = [], [], [], []
-        for r in reqs:  # bring the per-slot page tables up to date (only new pages travel)
+        for r in reqs:
             s = r.slot
             if self._table_owner[s] is not r:
                 self._table_owner[s], self._table_len[s] = r, 0
@@ -320,28 +363,18 @@ class EngineCore:
             self._table[torch.tensor(zero, device=dev)] = 0
         if rows:
             self._table[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(vals, dtype=torch.int32, device=dev)
-        slot_t = torch.tensor([r.slot for r in reqs], device=dev)
-        last = torch.tensor([[r.output_ids[-1], r.num_tokens - 1, len(r.output_ids)] for r in reqs], dtype=torch.long, device=dev)
-        st, counters = self._sampling_tensors(reqs), last[:, 2]
-        if self.cfg.cpu_decode_window and cpu_decode.supported(run):
-            w = self._cpu.window(reqs, last[:, 0], last[:, 1], self._table[slot_t], k, lambda z, j: sample(z, st, counters + j))
-            outputs = self._window_outputs(reqs, w.tokens, w.logprobs, w.tops, w.routes)
-            if not self.scheduler.running:  # nothing left to decode: free the kept K/V buffer
-                self._cpu.reset()
-            return outputs
-        run.block_tables[:b] = self._table[slot_t]
-        run.tokens[:b] = last[:, 0]
-        run.positions[:b] = last[:, 1]
-        run.ctx_lens[:b] = (last[:, 1] + 1).to(torch.int32)
-        if run.use_graphs:  # padding rows of the bucket: context 0, page 0
-            end = run._bucket(b)
-            run.tokens[b:end] = 0
-            run.positions[b:end] = 0
-            run.ctx_lens[b:end] = 0
-            run.block_tables[b:end] = 0
-        max_ctx = min(-(-(max(r.num_tokens for r in reqs) + k) // p) * p, run.max_blocks * p)
-        out_tok = torch.empty(b, k, dtype=torch.long, device=dev)
-        out_lp = torch.empty(b, k, dtype=torch.float32, device=dev)
+        return self._table[torch.tensor([r.slot for r in reqs], device=dev)]
+
+    def _launch(self, reqs: list[Request], k: int, counters: torch.Tensor, ahead: int) -> _Window:
+        """Enqueue ``k`` decode steps of ``reqs`` from the runner's buffers (tokens, positions and
+        context lengths already set); ``ahead``: tokens the rows have decoded past their host state
+        (a window launched before the last one was handed out). Nothing here waits for the device."""
+        run, b, p = self.runner, len(reqs), self.cfg.block_size
+        run.block_tables[:b] = self._tables(reqs)
+        st = self._sampling_tensors(reqs)
+        max_ctx = min(-(-(max(r.num_tokens for r in reqs) + ahead + k) // p) * p, run.max_blocks * p)
+        out_tok = torch.empty(b, k, dtype=torch.long, device=self.device)
+        out_lp = torch.empty(b, k, dtype=torch.float32, device=self.device)
         tops, routes = [], []
         run.begin_window(b, k)
         for j in range(k):
@@ -358,7 +391,54 @@ class EngineCore:
             run.positions[:b] += 1
             run.ctx_lens[:b] += 1
         run.end_window()
-        return self._window_outputs(reqs, out_tok, out_lp, tops, routes)
+        host = _to_host([out_tok, out_lp, *(t for top in tops for t in (top.values, top.indices)), *routes])
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        n = len(tops)
+        tops_h = [_Top(host[2 + 2 * i], host[3 + 2 * i]) for i in range(n)]
+        return _Window(reqs, k, counters, host[0], host[1], tops_h, host[2 + 2 * n:], done)
+
+    def _hand_out(self, w: _Window) -> list[RequestOutput]:
+        """Launch the window after ``w`` if it may run ahead, then hand ``w``'s tokens to its requests."""
+        nxt = self._launch_ahead(w)
+        outputs = self._collect(w)
+        self._inflight = nxt
+        return outputs
+
+    def _launch_ahead(self, w: _Window) -> _Window | None:
+        """The next window of ``w``'s requests, launched before ``w`` is read, when the batch would be
+        the same one anyway: overlap on, a device path with no host round trip per step, nothing
+        waiting to be admitted, every row still running and not ending by length inside ``w``, and
+        pages for the new window free without preempting anyone."""
+        sch, reqs, k = self.scheduler, w.reqs, self.cfg.decode_steps
+        if not self.cfg.overlap_windows or self.logprobs_op is not None or sch.waiting or self._pending:
+            return None
+        if self.cfg.cpu_decode_window and cpu_decode.supported(self.runner):
+            return None
+        if len(sch.running) != len(reqs) or any(r.finished for r in reqs):
+            return None
+        done = w.steps  # every window before w has been handed out: w adds this many tokens to each row
+        limits = [final_len(r, self.max_model_len) for r in reqs]
+        if any(r.num_tokens + done >= lim for r, lim in zip(reqs, limits)):
+            return None
+        if not all(self.blocks.grow(r, min(r.num_tokens + done - 1 + k, lim - 1)) for r, lim in zip(reqs, limits)):
+            return None
+        self.windows_ahead += 1
+        return self._launch(reqs, k, w.counters + w.steps, ahead=done)
+
+    def _collect(self, w: _Window) -> list[RequestOutput]:
+        """Wait for ``w``'s tokens and give them to its requests still running (stop checks there)."""
+        if w.done is not None:
+            w.done.synchronize()
+        live = [i for i, r in enumerate(w.reqs) if not r.finished]  # a row may have ended (stop, abort) meanwhile
+        if len(live) < len(w.reqs):
+            rows = torch.tensor(live, dtype=torch.long)
+            pick = lambda t: t.index_select(0, rows)  # noqa: E731
+            return self._window_outputs([w.reqs[i] for i in live], pick(w.tokens), pick(w.logprobs),
+                                        [_Top(pick(t.values), pick(t.indices)) for t in w.tops], [pick(r) for r in w.routes])
+        return self._window_outputs(w.reqs, w.tokens, w.logprobs, w.tops, w.routes)
 
     def _sampling_tensors(self, reqs: list[Request]) -> SamplingTensors:
         """The rows' sampling tensors; the last window's when the rows are the same requests."""
@@ -419,6 +499,39 @@ class EngineCore:
         elif req.status is Status.RUNNING:
             req.num_computed = req.num_tokens - 1
         return RequestOutput(req.request_id, new_ids, new_lps, reason is not None, req)
+
+
+@dataclass
+class _Window:
+    """A decode window enqueued on the device: its rows, and where its outputs land on the host."""
+
+    reqs: list[Request]
+    steps: int
+    counters: torch.Tensor  # [B] device: output index of the window's first token per row
+    tokens: torch.Tensor  # [B, K] host (pinned on CUDA), valid once ``done`` has fired
+    logprobs: torch.Tensor  # [B, K]
+    tops: list  # per step _Top (values [B, k], ids [B, k])
+    routes: list  # per step [B, L, k] (MoE)
+    done: torch.cuda.Event | None  # recorded after the copies (None on CPU: already there)
+
+
+@dataclass
+class _Top:
+    values: torch.Tensor
+    indices: torch.Tensor
+
+
+def _to_host(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Device tensors -> host copies without waiting (pinned buffers, async copies); CPU tensors as they are."""
+    out = []
+    for t in ts:
+        if t.device.type == "cpu":
+            out.append(t)
+            continue
+        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        h.copy_(t, non_blocking=True)
+        out.append(h)
+    return out
 
 
 def _top_lists(top, ks: list[int]):
