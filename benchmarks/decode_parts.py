@@ -74,6 +74,37 @@ def attention(batches, ctx: int, heads=16, kv_heads=8, d=128, page=16) -> None:
             print(f"  best at batch {b}: {best[0]:.1f} µs, (splits, block_n, warps, stages) = {best[1]}")
 
 
+def prologue(batches, ctx: int, heads=16, kv_heads=8, d=128, page=16) -> None:
+    """The q/k/v prologue (q/k norm, rotary, K/V write) as its own kernel before the paged attention,
+    against ``triton_decode.paged_decode_qkv``, which runs it inside the attention kernel."""
+    from miles_core.rollout.engine_core import triton_fused
+
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    print(f"\nprologue + paged attention vs the fused kernel, context {ctx} (the new token's included), bf16")
+    print(f"{'batch':>5} {'splits':>6} {'prologue':>9} {'attention':>9} {'both':>8} {'fused':>8}")
+    for b in batches:
+        pages = -(-ctx // page)
+        kc = torch.randn((b * pages + 1) * page, kv_heads, d, device=dev, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        bt = (1 + torch.randperm(b * pages, device=dev, dtype=torch.int32)).view(b, pages)
+        cl = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+        pos = cl.long() - 1
+        qkv = torch.randn(b, (heads + 2 * kv_heads) * d, device=dev, dtype=torch.bfloat16)
+        qw, kw = (1 + 0.1 * torch.randn(d, device=dev)).to(torch.bfloat16), (1 + 0.1 * torch.randn(d, device=dev)).to(torch.bfloat16)
+        cos, sin = torch.randn(2, ctx + 1, d, device=dev, dtype=torch.bfloat16)
+        splits = triton_decode.num_splits(b, kv_heads, sms)
+        q = triton_fused.qkv_prologue(qkv, heads, kv_heads, d, qw, kw, 1e-6, pos, cos, sin, kc, vc, block_tables=bt, page=page)
+        t_pro = graph_time(lambda: triton_fused.qkv_prologue(qkv, heads, kv_heads, d, qw, kw, 1e-6, pos, cos, sin, kc, vc,
+                                                             block_tables=bt, page=page))
+        t_att = graph_time(lambda: triton_decode.paged_decode(q, kc, vc, bt, cl, page, splits))
+        t_both = graph_time(lambda: triton_decode.paged_decode(
+            triton_fused.qkv_prologue(qkv, heads, kv_heads, d, qw, kw, 1e-6, pos, cos, sin, kc, vc, block_tables=bt, page=page),
+            kc, vc, bt, cl, page, splits))
+        t_fused = graph_time(lambda: triton_decode.paged_decode_qkv(qkv, heads, qw, kw, 1e-6, pos, cos, sin, kc, vc, bt, cl, page, splits))
+        print(f"{b:>5} {splits:>6} {t_pro:>9.1f} {t_att:>9.1f} {t_both:>8.1f} {t_fused:>8.1f}")
+
+
 def gemms(batches, hidden=1024, heads=16, kv_heads=8, d=128, inter=3072, vocab=151936) -> None:
     dev = torch.device("cuda")
     shapes = {"qkv": ((heads + 2 * kv_heads) * d, hidden), "o": (hidden, heads * d), "gate_up": (2 * inter, hidden),
@@ -144,7 +175,7 @@ def main() -> None:
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--attention-batches", default="64", help="batches of the attention sweep")
-    ap.add_argument("--parts", default="gemms,splitk,attention")
+    ap.add_argument("--parts", default="gemms,splitk,attention", help="of gemms, splitk, attention, prologue")
     ap.add_argument("--splitk-shapes", default="o,down", help="of o, down, qkv, gate_up")
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
@@ -154,6 +185,8 @@ def main() -> None:
         gemms(batches)
     if "splitk" in parts:
         splitk(batches, names=tuple(a.splitk_shapes.split(",")))
+    if "prologue" in parts:
+        prologue(batches, a.ctx)
     if "attention" in parts:
         attention([int(x) for x in a.attention_batches.split(',')], a.ctx)
 

@@ -27,6 +27,7 @@
 #   bash benchmarks/gpu_session.sh s11a     # FP8 GPU tests; fwd+bwd against bf16 in interleaved rounds by variant (ran with the tile kernel and the Markstein division, both removed since)
 #   bash benchmarks/gpu_session.sh s11b     # as s11a, with the final code (the default quantisers only)
 #   bash benchmarks/gpu_session.sh s11c     # engine at batch 256 after HF, without HF before it, and without HF at all (the session-10 gap)
+#   bash benchmarks/gpu_session.sh s12a     # rollout GPU tests; prologue + attention vs the fused kernel alone; engine with / without overlapped windows and the fused attention
 #   bash benchmarks/gpu_session.sh s10d     # rollout GPU tests; rollout bench (PDL at <= 64 rows, the default) with HF, and --no-pdl
 #   bash benchmarks/gpu_session.sh fp8check   # the FP8 quantiser / module-gradient / path tests under the default (fused activation) kernels
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
@@ -175,6 +176,13 @@ print(min(t)[1].strip('()').replace(' ', '') if t else '')")
       timeout 150 python3 -m pytest -q -rf --tb=short -m gpu plugins/miles_nvidia/tests/test_nv_fp8.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -4
       OUT=$OUT/fp8 timeout 240 python3 plugins/miles_nvidia/benchmarks/bench_nvidia.py --only fp8 2>&1 | tee "$OUT/fp8_bench.log" \
         | grep -A70 -E "interleaved rounds" | grep -E "8B|shape|##" ;;
+    s12a)
+      timeout 200 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -4
+      timeout 60 python3 benchmarks/decode_parts.py --parts prologue --batches 1,64,256 2>&1 | tee "$OUT/decode_parts_prologue.log" | tail -5
+      for v in "def:" "noov:--no-overlap" "nofa:--no-fused-attention" "def2:" "noov2:--no-overlap"; do
+        OUT= timeout 100 python3 benchmarks/rollout_bench.py --preset gpu --batches 1,64,256 --skip-hf ${v#*:} 2>&1 \
+          | tee "$OUT/rollout_bench_${v%%:*}.log" | grep -E "^ +(1|64|256) \|" | tr '\n' ' '; echo " <- ${v%%:*}"
+      done ;;
     s11c)
       for v in "hf64_256:--batches 64,256" "hf256:--batches 256" "skip:--batches 64,256 --skip-hf" "hf64_256b:--batches 64,256"; do
         OUT=$OUT/rb_${v%%:*} timeout 150 python3 benchmarks/rollout_bench.py --preset gpu ${v#*:} 2>&1 \

@@ -111,6 +111,7 @@ def main() -> None:
     ap.add_argument("--no-pdl", action="store_true", help="engine: no programmatic dependent launch / weight prefetch in the decode step")
     ap.add_argument("--no-prefetch", action="store_true", help="engine: PDL without the GEMMs' L2 weight prefetch")
     ap.add_argument("--no-overlap", action="store_true", help="engine: read each decode window before launching the next")
+    ap.add_argument("--no-fused-attention", action="store_true", help="engine: the q/k/v prologue as its own kernel, not inside decode attention")
     ap.add_argument("--no-fused", action="store_true", help="engine: without the fused Triton layer kernels (triton_fused.py)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default); > 0 samples (top-k/top-p off)")
     args = ap.parse_args()
@@ -138,7 +139,8 @@ def main() -> None:
     cfg = EngineConfig(max_num_seqs=max(batches), max_model_len=a.prompt_len + a.new_tokens + 16, kv_memory_fraction=0.3,
                        max_batched_tokens=16384, fused_kernels=not args.no_fused, splitk_gemm=not args.no_splitk,
                        gated_gemm=not args.no_gated, pdl=not args.no_pdl,
-                       pdl_prefetch=not args.no_prefetch, overlap_windows=not args.no_overlap)
+                       pdl_prefetch=not args.no_prefetch, overlap_windows=not args.no_overlap,
+                       fused_attention=not args.no_fused_attention)
     if args.decode_steps:
         cfg.decode_steps = args.decode_steps
     elif dev.type == "cpu":
@@ -176,7 +178,7 @@ def main() -> None:
     ops = {name: getattr(fn, "__name__", str(fn)) for name, fn in
            (("rmsnorm", model.model.norm.op), ("rope", model.model.layers[0].self_attn.rope), ("swiglu", model.model.layers[0].mlp.act))}
     print(f"engine: triton decode {core.runner.use_triton}, fused layer kernels {core.runner.fused_kernels}, split-K {core.runner.splitk}, "
-          f"gated {core.runner.gated}, PDL {core.runner.pdl} (prefetch {cfg.pdl_prefetch}), "
+          f"gated {core.runner.gated}, fused attention {cfg.fused_attention}, PDL {core.runner.pdl} (prefetch {cfg.pdl_prefetch}), "
           f"cuda graphs {core.runner.use_graphs}, decode steps/sync {cfg.decode_steps}, overlapped windows {cfg.overlap_windows}, kernels {ops}")
     head = f"{'batch':>6} | {'engine tok/s':>12} | {'HF tok/s':>10} | {'speedup':>8} | {'roofline':>8} | identical"
     print(head + "\n" + "-" * len(head))
@@ -190,7 +192,7 @@ def main() -> None:
         Path(out).mkdir(parents=True, exist_ok=True)
         meta = {"preset": args.preset, "temperature": args.temperature, "device": device_name, "torch": torch.__version__, "config": vars(a),
                 "triton_decode": core.runner.use_triton, "fused_kernels": core.runner.fused_kernels, "splitk_gemm": core.runner.splitk, "cuda_graphs": core.runner.use_graphs,
-                "gated_gemm": core.runner.gated, "pdl": core.runner.pdl, "overlap_windows": cfg.overlap_windows}
+                "gated_gemm": core.runner.gated, "pdl": core.runner.pdl, "overlap_windows": cfg.overlap_windows, "fused_attention": cfg.fused_attention}
         (Path(out) / f"rollout_bench{'_t' + str(args.temperature) if args.temperature > 0 else ''}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 

@@ -75,6 +75,39 @@ print("OK")
 """)
 
 
+def test_decode_attention_with_the_prologue_inside_matches_the_two_kernels():
+    """triton_decode.paged_decode_qkv (prologue + paged attention in one kernel) against qkv_prologue
+    then paged_decode: same attention output, same cache contents, with and without qk-norm, one and
+    three splits (the new token's split writes its K/V), a padding row (ctx 0: writes nothing)."""
+    interpret(r"""
+from miles_core.models.decoder import Decoder, DecoderConfig
+from miles_core.rollout.engine_core import triton_decode as td
+B, H, HK, D, PAGE = 4, 4, 2, 16, 4
+m = Decoder(DecoderConfig(vocab_size=8, hidden_size=64, num_heads=H, num_kv_heads=HK, head_dim=D))
+cos, sin = (t[:, 0].contiguous() for t in m._rope(torch.arange(64), torch.float32))
+ctx = torch.tensor([5, 29, 0, 1], dtype=torch.int32)
+pos = (ctx.long() - 1).clamp(min=0)
+tables = torch.randperm(B * 8).view(B, 8).to(torch.int32) + 1  # distinct pages, page 0 left to padding
+tables[2] = 0  # the padding row's table, as the engine sets it
+qkv = torch.randn(B, (H + 2 * HK) * D)
+qw, kw = 1 + 0.1 * torch.randn(D), 1 + 0.1 * torch.randn(D)
+kc0, vc0 = torch.randn(40 * PAGE, HK, D), torch.randn(40 * PAGE, HK, D)
+for norm in (True, False):
+    for splits in (1, 3):
+        w = (qw, kw) if norm else (None, None)
+        kc, vc = kc0.clone(), vc0.clone()
+        q = tf.qkv_prologue(qkv, H, HK, D, *w, 1e-6, pos, cos, sin, kc, vc, block_tables=tables[:, :], page=PAGE)
+        kc[:PAGE], vc[:PAGE] = kc0[:PAGE], vc0[:PAGE]  # the padding row's write into page 0 is not part of the contract
+        ref = td.paged_decode(q, kc, vc, tables, ctx, PAGE, splits, block_n=8)
+        kc2, vc2 = kc0.clone(), vc0.clone()
+        got = td.paged_decode_qkv(qkv, H, *w, 1e-6, pos, cos, sin, kc2, vc2, tables, ctx, PAGE, splits, block_n=8)
+        assert torch.equal(kc2, kc) and torch.equal(vc2, vc), (norm, splits)
+        assert (got - ref).abs().max() < 1e-5, (norm, splits, (got - ref).abs().max())
+        assert got[2].abs().max() == 0
+print("OK")
+""")
+
+
 def test_add_rmsnorm_matches_add_then_norm():
     interpret(r"""
 from miles_core.kernels.rmsnorm import rmsnorm_torch
@@ -123,10 +156,16 @@ def count(name, fn):
 tf.qkv_prologue, tf.add_rmsnorm = count("prologue", prologue), count("add_norm", add_norm)
 tg.gated_gemm = count("gated", gated)
 
-def run(m, fused, splitk=False, gated=False):
-    core = EngineCore(m, EngineConfig(block_size=4, num_blocks=64, max_model_len=64, decode_steps=2, cpu_decode_window=False))
+from miles_core.rollout.engine_core import triton_decode as td
+calls["attn_qkv"] = 0
+td.paged_decode_qkv = count("attn_qkv", td.paged_decode_qkv)
+
+def run(m, fused, splitk=False, gated=False, triton_decode=False, fused_attention=True):
+    core = EngineCore(m, EngineConfig(block_size=4, num_blocks=64, max_model_len=64, decode_steps=2, cpu_decode_window=False,
+                                      fused_attention=fused_attention))
     assert core.runner.fusable() and not core.runner.fused_kernels  # on by default only on a GPU with Triton
     core.runner.fused_kernels, core.runner.splitk, core.runner.gated = fused, splitk, gated
+    core.runner.use_triton = triton_decode  # the GPU decode path (paged Triton attention), here in the interpreter
     prompts = [[3, 5, 7, 9, 11], [2, 4], [13] * 9]
     reqs = [core.add_request(p, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))[0] for p in prompts]
     while core.has_unfinished():
@@ -140,7 +179,7 @@ for qk_norm in (True, False):
         for p in m.parameters():
             p.add_(0.3 * torch.randn_like(p))
     ref = run(m, False)
-    assert calls == {"prologue": 0, "add_norm": 0, "gated": 0}
+    assert calls == {"prologue": 0, "add_norm": 0, "gated": 0, "attn_qkv": 0}
     # o_proj / down_proj as split-K partials summed by add_rmsnorm; gate/up + SwiGLU in one kernel
     for splitk, gated in ((False, False), (True, False), (True, True)):
         got = run(m, True, splitk, gated)
@@ -150,6 +189,15 @@ for qk_norm in (True, False):
         calls.update(prologue=0, add_norm=0, gated=0)
         for a, b in zip(got, ref):
             assert a.output_ids == b.output_ids, (qk_norm, splitk, gated, a.output_ids, b.output_ids)
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    # the GPU's decode path: Triton paged attention, with the prologue inside it (fused_attention) or not
+    for fused_attention in (True, False):
+        got = run(m, True, True, True, triton_decode=True, fused_attention=fused_attention)
+        decode_layers = calls["add_norm"] // 2 - calls["prologue"]  # layer calls that ran no prologue kernel
+        assert calls["attn_qkv"] == (decode_layers if fused_attention else 0) and (decode_layers > 0) == fused_attention, calls
+        calls.update(prologue=0, add_norm=0, gated=0, attn_qkv=0)
+        for a, b in zip(got, ref):
+            assert a.output_ids == b.output_ids, (qk_norm, fused_attention, a.output_ids, b.output_ids)
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 print("OK")
 """)

@@ -183,11 +183,13 @@ class ModelRunner:
             return False
 
     # ------------------------------------------------------------------ forward
-    def _layers(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None, attend) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None, attend,
+                attend_qkv=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x`` [N, hidden]; ``attend(q, k_cache, v_cache) -> [N, H, D]``; ``slots`` None: decode rows, found
-        from the block tables. Returns (hidden, routing [N, L, k])."""
+        from the block tables. ``attend_qkv(qkv, attention module, layer) -> [N, H, D]`` (fused path, decode):
+        the prologue and attention in one call, replacing both. Returns (hidden, routing [N, L, k])."""
         if self.fused_kernels and self.qkv:
-            return self._layers_fused(x, positions, slots, attend)
+            return self._layers_fused(x, positions, slots, attend, attend_qkv)
         if slots is None:
             slots = self._decode_slots(positions.shape[0])
         model = self.model
@@ -239,7 +241,8 @@ class ModelRunner:
         page_col = (positions // p).clamp(max=self.max_blocks - 1)
         return self.block_tables[:bs][torch.arange(bs, device=self.device), page_col].long() * p + positions % p
 
-    def _layers_fused(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None, attend) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _layers_fused(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None, attend,
+                      attend_qkv=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`_layers` in fewer kernels (triton_fused.py): per layer the q/k/v GEMM, one prologue
         (q/k norm, rotary from the tables, decode slot, K/V write), attention, o_proj, residual add +
         norm, the MLP (at <= 64 rows with ``gated_gemm``: the gate/up GEMM with the SwiGLU as its epilogue,
@@ -256,12 +259,15 @@ class ModelRunner:
             a = layer.self_attn
             norm = a.cfg.qk_norm
             qkv = triton_gemm.gemm(h, self.qkv[i], pdl=True, prefetch=pf) if pdl else F.linear(h, self.qkv[i])
-            q = triton_fused.qkv_prologue(qkv, a.cfg.num_heads, self.kv_heads, d, a.q_norm.weight if norm else None,
-                                          a.k_norm.weight if norm else None, a.q_norm.eps if norm else 0.0, positions, cos, sin,
-                                          self.kv[i, 0], self.kv[i, 1], **where, pdl=pdl)
+            if attend_qkv is not None:
+                o = attend_qkv(qkv, a, i)
+            else:
+                q = triton_fused.qkv_prologue(qkv, a.cfg.num_heads, self.kv_heads, d, a.q_norm.weight if norm else None,
+                                              a.k_norm.weight if norm else None, a.q_norm.eps if norm else 0.0, positions, cos, sin,
+                                              self.kv[i, 0], self.kv[i, 1], **where, pdl=pdl)
+                o = attend(q, self.kv[i, 0], self.kv[i, 1])
             post = layer.post_attention_layernorm
-            x, h = triton_fused.add_rmsnorm(x, self._out_linear(a.o_proj, attend(q, self.kv[i, 0], self.kv[i, 1]).reshape(n, -1)),
-                                            post.weight, post.eps, pdl)
+            x, h = triton_fused.add_rmsnorm(x, self._out_linear(a.o_proj, o.reshape(n, -1)), post.weight, post.eps, pdl)
             mlp = layer.mlp
             if hasattr(mlp, "route"):
                 ids, w = mlp.route(h)
@@ -329,8 +335,18 @@ class ModelRunner:
             attend = self._window.attend
         else:
             attend = lambda q, kc, vc: decode_attention_torch(q, kc, vc, bt, ctx, p, max_ctx)  # noqa: E731
+        attend_qkv = None
+        if self.use_triton and self.fused_kernels and self.cfg.fused_attention and not self.cfg.exact_attention:
+            cos, sin = self.rope_tables
+
+            def attend_qkv(qkv, a, i):
+                norm = a.cfg.qk_norm
+                return triton_decode.paged_decode_qkv(
+                    qkv, a.cfg.num_heads, a.q_norm.weight if norm else None, a.k_norm.weight if norm else None,
+                    a.q_norm.eps if norm else 0.0, positions, cos, sin, self.kv[i, 0], self.kv[i, 1], bt, ctx, p, splits,
+                    pdl=self.pdl_at(bs))
         x = self.model.model.embed_tokens(tokens)
-        hidden, routed = self._layers(x, positions, None, attend)
+        hidden, routed = self._layers(x, positions, None, attend, attend_qkv)
         if self.cfg.exact_attention:
             self.last_hidden = hidden
         return self.model.lm_head(hidden), routed

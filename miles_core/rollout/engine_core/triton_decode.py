@@ -41,25 +41,11 @@ if triton is not None:
     from miles_core.rollout.engine_core.triton_pdl import pdl_wait
 
     @triton.jit
-    def _decode_kernel(
-        Q, K, V, BT, CTX, O, LSE, scale,
-        s_qb, s_qh, s_kt, s_kh, s_bt, s_ob, s_oh, s_os, s_lb, s_lh,
-        PAGE: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    ):
-        pdl_wait(PDL)
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        s = tl.program_id(2)
-        ctx = tl.load(CTX + b).to(tl.int32)
-        per_split = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
-        start = s * per_split
-        end = tl.minimum(start + per_split, ctx)
-        offs_h = tl.arange(0, REP_P)
+    def _attend(q, K, V, BT, b, kvh, start, end, scale, s_kt, s_kh, s_bt,
+                PAGE: tl.constexpr, D: tl.constexpr, REP_P: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        """Online softmax of the query group ``q`` [REP_P, D] over cache positions ``[start, end)`` of
+        sequence ``b``, KV head ``kvh`` -> (out [REP_P, D] fp32, log-sum-exp [REP_P])."""
         offs_d = tl.arange(0, D)
-        hmask = offs_h < REP
-        heads = kvh * REP + offs_h
-        q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=hmask[:, None], other=0.0)
         m = tl.full([REP_P], float("-inf"), tl.float32)
         l = tl.zeros([REP_P], tl.float32)
         acc = tl.zeros([REP_P, D], tl.float32)
@@ -88,6 +74,92 @@ if triton is not None:
         has = l > 0
         out = acc / tl.where(has, l, 1.0)[:, None]
         lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
+        return out, lse
+
+    @triton.jit
+    def _split_range(ctx, s, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Split ``s``'s contiguous share ``[start, end)`` of a context of ``ctx`` tokens (whole blocks)."""
+        per_split = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
+        start = s * per_split
+        return start, tl.minimum(start + per_split, ctx)
+
+    @triton.jit
+    def _decode_kernel(
+        Q, K, V, BT, CTX, O, LSE, scale,
+        s_qb, s_qh, s_kt, s_kh, s_bt, s_ob, s_oh, s_os, s_lb, s_lh,
+        PAGE: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    ):
+        pdl_wait(PDL)
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        s = tl.program_id(2)
+        start, end = _split_range(tl.load(CTX + b).to(tl.int32), s, SPLITS, BLOCK_N)
+        offs_h = tl.arange(0, REP_P)
+        offs_d = tl.arange(0, D)
+        hmask = offs_h < REP
+        heads = kvh * REP + offs_h
+        q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=hmask[:, None], other=0.0)
+        out, lse = _attend(q, K, V, BT, b, kvh, start, end, scale, s_kt, s_kh, s_bt, PAGE, D, REP_P, BLOCK_N, IEEE)
+        tl.store(O + b * s_ob + heads[:, None] * s_oh + s * s_os + offs_d[None, :], out.to(O.dtype.element_ty), mask=hmask[:, None])
+        tl.store(LSE + b * s_lb + heads * s_lh + s, lse, mask=hmask)
+
+    @triton.jit
+    def _norm_rope_rows(rows, W, cos, sin, eps, mask, D: tl.constexpr, NORM: tl.constexpr):
+        """Rows ``rows[:, None] + [0, D)`` (pointers [R]) normalised (optionally) and rotated
+        (rotate-half), [R, D] in the model dtype: :func:`.triton_fused._norm_rope`'s math, the two
+        halves side by side (element ``d`` pairs with ``d +- D/2``)."""
+        d = tl.arange(0, D)
+        pd = (d + D // 2) % D
+        x = tl.load(rows[:, None] + d[None, :], mask=mask[:, None], other=0.0)
+        xp = tl.load(rows[:, None] + pd[None, :], mask=mask[:, None], other=0.0)
+        if NORM:
+            xf = x.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / D + eps)
+            x = (tl.load(W + d).to(tl.float32)[None, :] * (xf * rstd[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype)
+            xp = (tl.load(W + pd).to(tl.float32)[None, :] * (xp.to(tl.float32) * rstd[:, None]).to(xp.dtype).to(tl.float32)).to(xp.dtype)
+        c = tl.load(cos + d).to(tl.float32)
+        sn = tl.load(sin + d).to(tl.float32)
+        sign = tl.where(d < D // 2, -1.0, 1.0)
+        return (x.to(tl.float32) * c[None, :] + sign[None, :] * xp.to(tl.float32) * sn[None, :]).to(x.dtype)
+
+    @triton.jit
+    def _decode_qkv_kernel(
+        QKV, QW, KW, POS, COS, SIN, K, V, BT, CTX, O, LSE, scale, eps,
+        s_qkv, s_kt, s_kh, s_bt, s_ob, s_oh, s_os, s_lb, s_lh,
+        H: tl.constexpr, HK: tl.constexpr, NORM: tl.constexpr,
+        PAGE: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """:func:`.triton_fused.qkv_prologue` and :func:`_decode_kernel` in one program per (row, KV head,
+        split): the group's q rows from the fused projection, normed and rotated in registers; the split
+        that holds the new token's position writes its k (normed, rotated) and v into the cache, then
+        waits at a CTA barrier so that its own loads below see them."""
+        pdl_wait(PDL)
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        s = tl.program_id(2)
+        ctx = tl.load(CTX + b).to(tl.int32)
+        start, end = _split_range(ctx, s, SPLITS, BLOCK_N)
+        p = tl.load(POS + b)
+        cos = COS + p * D
+        sin = SIN + p * D
+        row = QKV + b.to(tl.int64) * s_qkv
+        offs_h = tl.arange(0, REP_P)
+        offs_d = tl.arange(0, D)
+        hmask = offs_h < REP
+        heads = kvh * REP + offs_h
+        q = _norm_rope_rows(row + heads * D, QW, cos, sin, eps, hmask, D, NORM)
+        if (start <= ctx - 1) & (ctx - 1 < end):  # this split holds the new token: it writes its K/V
+            one = offs_h < 1
+            k = _norm_rope_rows(row + (H + kvh + offs_h * 0) * D, KW, cos, sin, eps, one, D, NORM)
+            page = tl.load(BT + b * s_bt + (ctx - 1) // PAGE).to(tl.int64)
+            dst = (page * PAGE + (ctx - 1) % PAGE) * s_kt + kvh * s_kh
+            tl.store(K + dst + offs_h[:, None] * 0 + offs_d[None, :], k.to(K.dtype.element_ty), mask=one[:, None])
+            v = tl.load(row + (H + HK + kvh) * D + offs_d)
+            tl.store(V + dst + offs_d, v.to(V.dtype.element_ty))
+        tl.debug_barrier()
+        out, lse = _attend(q, K, V, BT, b, kvh, start, end, scale, s_kt, s_kh, s_bt, PAGE, D, REP_P, BLOCK_N, IEEE)
         tl.store(O + b * s_ob + heads[:, None] * s_oh + s * s_os + offs_d[None, :], out.to(O.dtype.element_ty), mask=hmask[:, None])
         tl.store(LSE + b * s_lb + heads * s_lh + s, lse, mask=hmask)
 
@@ -117,3 +189,31 @@ def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int, s
     if splits == 1:
         return partial[:, :, 0]
     return triton_fused.merge_splits(partial, lse, q.dtype, pdl)
+
+
+def paged_decode_qkv(qkv, num_heads: int, q_weight, k_weight, eps: float, positions, cos_table, sin_table, k_cache, v_cache,
+                     block_tables, ctx_lens, block_size: int, splits: int, block_n: int = 64, num_warps: int = 4,
+                     num_stages: int = 3, pdl: bool = False):
+    """:func:`.triton_fused.qkv_prologue` (decode form: slots from the block tables) followed by
+    :func:`paged_decode`, in one kernel: ``qkv`` [B, (H + 2 Hk) D] -> attention output [B, H, D].
+    Writes each row's new k/v at position ``ctx - 1`` (a row with ``ctx == 0``, padding, writes nothing).
+    ``q_weight``/``k_weight``: the per-head RMSNorm weights, or both None (no qk-norm)."""
+    b = qkv.shape[0]
+    hk, d = k_cache.shape[1], k_cache.shape[2]
+    rep = num_heads // hk
+    partial = torch.empty(b, num_heads, splits, d, device=qkv.device, dtype=qkv.dtype if splits == 1 else torch.float32)
+    lse = torch.empty(b, num_heads, splits, device=qkv.device, dtype=torch.float32)
+    norm = q_weight is not None
+    dummy = positions  # an unread pointer
+    _decode_qkv_kernel[(b, hk, splits)](
+        qkv, q_weight if norm else dummy, k_weight if norm else dummy, positions, cos_table, sin_table, k_cache, v_cache,
+        block_tables, ctx_lens, partial, lse, 1.0 / math.sqrt(d), float(eps),
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        H=num_heads, HK=hk, NORM=norm, PAGE=block_size, D=d, REP=rep, REP_P=max(16, triton.next_power_of_2(rep)), BLOCK_N=block_n,
+        SPLITS=splits, IEEE=k_cache.dtype == torch.float32, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        **triton_pdl.launch_opts(pdl),
+    )
+    if splits == 1:
+        return partial[:, :, 0]
+    return triton_fused.merge_splits(partial, lse, qkv.dtype, pdl)
