@@ -105,6 +105,34 @@ def prologue(batches, ctx: int, heads=16, kv_heads=8, d=128, page=16) -> None:
         print(f"{b:>5} {splits:>6} {t_pro:>9.1f} {t_att:>9.1f} {t_both:>8.1f} {t_fused:>8.1f}")
 
 
+def launches(batches, hidden=1024, heads=16, kv_heads=8, d=128, inter=3072) -> None:
+    """The engine's Triton GEMMs at decode (``triton_gemm.gemm`` for q/k/v, ``gated_gemm`` for gate/up +
+    SwiGLU) over their tile sizes and pipeline depths; the engine's current launch is marked."""
+    dev = torch.device("cuda")
+    print(f"\nTriton decode GEMMs by launch (bf16; the engine's launch marked *)\n{'batch':>5} {'gemm':>8} {'block_n':>7} "
+          f"{'block_k':>7} {'stages':>6} {'µs':>8} {'TB/s':>6}")
+    for b in batches:
+        x = torch.randn(b, hidden, device=dev, dtype=torch.bfloat16)
+        for name, n, fn in (("qkv", (heads + 2 * kv_heads) * d, triton_gemm.gemm), ("gate_up", 2 * inter, triton_gemm.gated_gemm)):
+            w = torch.randn(n, hidden, device=dev, dtype=torch.bfloat16) * 0.02
+            nbytes = (n * hidden + b * hidden + b * n) * 2
+            best = None
+            for bn, bk, st in itertools.product((16, 32, 64), (64, 128), (3, 4)):
+                try:
+                    if name == "qkv":
+                        t = graph_time(lambda: triton_gemm.splitk_gemm(x, w, 1, bn, bk, num_stages=st, out_dtype=x.dtype))
+                    else:
+                        t = graph_time(lambda: triton_gemm.gated_gemm(x, w, bn, bk, num_stages=st))
+                except Exception as exc:  # a config that does not compile (shared memory)
+                    print(f"{b:>5} {name:>8} {bn:>7} {bk:>7} {st:>6}   failed: {type(exc).__name__}")
+                    continue
+                mark = "*" if (bn, bk, st) == ((32, 64, 4) if name == "qkv" else (32, 64, 4)) else ""
+                print(f"{b:>5} {name:>8} {bn:>7} {bk:>7} {st:>6} {t:>8.1f} {nbytes / t / 1e6:>6.2f} {mark}")
+                if best is None or t < best[0]:
+                    best = (t, (bn, bk, st))
+            print(f"  best at batch {b}, {name}: {best[0]:.1f} µs, (block_n, block_k, stages) = {best[1]}")
+
+
 def gemms(batches, hidden=1024, heads=16, kv_heads=8, d=128, inter=3072, vocab=151936) -> None:
     dev = torch.device("cuda")
     shapes = {"qkv": ((heads + 2 * kv_heads) * d, hidden), "o": (hidden, heads * d), "gate_up": (2 * inter, hidden),
@@ -175,7 +203,7 @@ def main() -> None:
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--attention-batches", default="64", help="batches of the attention sweep")
-    ap.add_argument("--parts", default="gemms,splitk,attention", help="of gemms, splitk, attention, prologue")
+    ap.add_argument("--parts", default="gemms,splitk,attention", help="of gemms, splitk, attention, prologue, launches")
     ap.add_argument("--splitk-shapes", default="o,down", help="of o, down, qkv, gate_up")
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
@@ -185,6 +213,8 @@ def main() -> None:
         gemms(batches)
     if "splitk" in parts:
         splitk(batches, names=tuple(a.splitk_shapes.split(",")))
+    if "launches" in parts:
+        launches(batches)
     if "prologue" in parts:
         prologue(batches, a.ctx)
     if "attention" in parts:

@@ -179,6 +179,7 @@ print(min(t)[1].strip('()').replace(' ', '') if t else '')")
     s12a)
       timeout 200 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -4
       timeout 60 python3 benchmarks/decode_parts.py --parts prologue --batches 1,64,256 2>&1 | tee "$OUT/decode_parts_prologue.log" | tail -5
+      timeout 120 python3 benchmarks/decode_parts.py --parts launches --batches 64 2>&1 | tee "$OUT/decode_parts_launches.log" | grep -E "best|\*"
       for v in "def:" "noov:--no-overlap" "nofa:--no-fused-attention" "def2:" "noov2:--no-overlap"; do
         OUT= timeout 100 python3 benchmarks/rollout_bench.py --preset gpu --batches 1,64,256 --skip-hf ${v#*:} 2>&1 \
           | tee "$OUT/rollout_bench_${v%%:*}.log" | grep -E "^ +(1|64|256) \|" | tr '\n' ' '; echo " <- ${v%%:*}"
