@@ -112,6 +112,8 @@ def main() -> None:
     ap.add_argument("--no-prefetch", action="store_true", help="engine: PDL without the GEMMs' L2 weight prefetch")
     ap.add_argument("--no-overlap", action="store_true", help="engine: read each decode window before launching the next")
     ap.add_argument("--no-fused-attention", action="store_true", help="engine: the q/k/v prologue as its own kernel, not inside decode attention")
+    ap.add_argument("--attention", default=None, help="engine: the paged decode kernel's launch, BLOCK_N,WARPS,PIPE,MMA "
+                    "(e.g. 64,4,0,1, session 11's); default: triton_decode.decode_launch")
     ap.add_argument("--no-fused", action="store_true", help="engine: without the fused Triton layer kernels (triton_fused.py)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default); > 0 samples (top-k/top-p off)")
     args = ap.parse_args()
@@ -146,6 +148,9 @@ def main() -> None:
     elif dev.type == "cpu":
         cfg.decode_steps = 8
     core = EngineCore(model, cfg)
+    if args.attention:
+        bn, w, pipe, mma = (int(x) for x in args.attention.split(","))
+        core.runner.attn_launch = dict(block_n=bn, num_warps=w, pipe=bool(pipe), mma=bool(mma))
 
     elem = torch.finfo(dtype).bits // 8
     weight_bytes = sum(p.numel() for n, p in model.named_parameters() if not (a.tie and n == "model.embed_tokens.weight")) * elem
@@ -178,7 +183,7 @@ def main() -> None:
     ops = {name: getattr(fn, "__name__", str(fn)) for name, fn in
            (("rmsnorm", model.model.norm.op), ("rope", model.model.layers[0].self_attn.rope), ("swiglu", model.model.layers[0].mlp.act))}
     print(f"engine: triton decode {core.runner.use_triton}, fused layer kernels {core.runner.fused_kernels}, split-K {core.runner.splitk}, "
-          f"gated {core.runner.gated}, fused attention {cfg.fused_attention}, PDL {core.runner.pdl} (prefetch {cfg.pdl_prefetch}), "
+          f"gated {core.runner.gated}, fused attention {cfg.fused_attention}, attention launch {core.runner.attn_launch or 'default'}, PDL {core.runner.pdl} (prefetch {cfg.pdl_prefetch}), "
           f"cuda graphs {core.runner.use_graphs}, decode steps/sync {cfg.decode_steps}, overlapped windows {cfg.overlap_windows}, kernels {ops}")
     head = f"{'batch':>6} | {'engine tok/s':>12} | {'HF tok/s':>10} | {'speedup':>8} | {'roofline':>8} | identical"
     print(head + "\n" + "-" * len(head))

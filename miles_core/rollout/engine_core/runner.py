@@ -91,6 +91,9 @@ class ModelRunner:
         # flash varlen attention for prefills of fresh prompts (bf16/fp16 on the fast GPU path), or None
         half = self.dtype in (torch.bfloat16, torch.float16)
         self.varlen = causal_varlen() if self.use_triton and half else None
+        # the paged decode kernel's launch (block_n, num_warps, pipe, mma; splits: num_splits) when set, else
+        # triton_decode.decode_launch's choice; benchmarks set it to compare launches in one process
+        self.attn_launch: dict | None = None
 
     PDL_ROWS = 64
 
@@ -330,7 +333,8 @@ class ModelRunner:
             attend = lambda q, kc, vc: paged_attention(q, kc, vc, meta, p)  # noqa: E731
         elif self.use_triton:
             splits = triton_decode.num_splits(bs, self.kv_heads, self.num_sms)
-            attend = lambda q, kc, vc: triton_decode.paged_decode(q, kc, vc, bt, ctx, p, splits, pdl=self.pdl_at(bs))  # noqa: E731
+            launch = self.attn_launch or triton_decode.decode_launch(bs)
+            attend = lambda q, kc, vc: triton_decode.paged_decode(q, kc, vc, bt, ctx, p, splits, pdl=self.pdl_at(bs), **launch)  # noqa: E731
         elif self._window is not None:
             attend = self._window.attend
         else:
@@ -344,7 +348,7 @@ class ModelRunner:
                 return triton_decode.paged_decode_qkv(
                     qkv, a.cfg.num_heads, a.q_norm.weight if norm else None, a.k_norm.weight if norm else None,
                     a.q_norm.eps if norm else 0.0, positions, cos, sin, self.kv[i, 0], self.kv[i, 1], bt, ctx, p, splits,
-                    pdl=self.pdl_at(bs))
+                    pdl=self.pdl_at(bs), **launch)
         x = self.model.model.embed_tokens(tokens)
         hidden, routed = self._layers(x, positions, None, attend, attend_qkv)
         if self.cfg.exact_attention:
