@@ -28,7 +28,7 @@
 #   bash benchmarks/gpu_session.sh s11b     # as s11a, with the final code (the default quantisers only)
 #   bash benchmarks/gpu_session.sh s11c     # engine at batch 256 after HF, without HF before it, and without HF at all (the session-10 gap)
 #   bash benchmarks/gpu_session.sh s12a     # rollout GPU tests; prologue + attention vs the fused kernel alone; engine with / without overlapped windows and the fused attention
-#   bash benchmarks/gpu_session.sh s12b     # the paged decode kernel by launch (pipelined loop, tl.dot or not); engine by attention launch
+#   bash benchmarks/gpu_session.sh s12b     # rollout GPU tests; the paged decode kernel by launch (pipelined loop, tl.dot or not); engine by attention launch, folded norms or not
 #   bash benchmarks/gpu_session.sh s10d     # rollout GPU tests; rollout bench (PDL at <= 64 rows, the default) with HF, and --no-pdl
 #   bash benchmarks/gpu_session.sh fp8check   # the FP8 quantiser / module-gradient / path tests under the default (fused activation) kernels
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
@@ -186,8 +186,9 @@ print(min(t)[1].strip('()').replace(' ', '') if t else '')")
           | tee "$OUT/rollout_bench_${v%%:*}.log" | grep -E "^ +(1|64|256) \|" | tr '\n' ' '; echo " <- ${v%%:*}"
       done ;;
     s12b)
-      timeout 240 python3 benchmarks/decode_parts.py --parts attention --attention-batches 64,256 2>&1 | tee "$OUT/decode_parts_attention.log" | grep -E "best|session-11|WRONG"
-      for v in "s11:--attention 64,4,0,1" "def:" "p16:--attention 16,4,1,1" "p64:--attention 64,8,1,1"; do
+      timeout 150 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -3
+      timeout 200 python3 benchmarks/decode_parts.py --parts attention --attention-batches 64,256 2>&1 | tee "$OUT/decode_parts_attention.log" | grep -E "best|session-11|WRONG"
+      for v in "s11:--attention 64,4,0,1 --no-fold-norms" "def:" "nofold:--no-fold-norms" "p16:--attention 16,4,1,1"; do
         OUT= timeout 100 python3 benchmarks/rollout_bench.py --preset gpu --batches 1,64,256 --skip-hf ${v#*:} 2>&1 \
           | tee "$OUT/rollout_bench_${v%%:*}.log" | grep -E "^ +(1|64|256) \|" | tr '\n' ' '; echo " <- ${v%%:*}"
       done ;;

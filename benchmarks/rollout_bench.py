@@ -114,6 +114,7 @@ def main() -> None:
     ap.add_argument("--no-fused-attention", action="store_true", help="engine: the q/k/v prologue as its own kernel, not inside decode attention")
     ap.add_argument("--attention", default=None, help="engine: the paged decode kernel's launch, BLOCK_N,WARPS,PIPE,MMA "
                     "(e.g. 64,4,0,1, session 11's); default: triton_decode.decode_launch")
+    ap.add_argument("--no-fold-norms", action="store_true", help="engine: residual add + norm as their own kernels at decode")
     ap.add_argument("--no-fused", action="store_true", help="engine: without the fused Triton layer kernels (triton_fused.py)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default); > 0 samples (top-k/top-p off)")
     args = ap.parse_args()
@@ -142,7 +143,7 @@ def main() -> None:
                        max_batched_tokens=16384, fused_kernels=not args.no_fused, splitk_gemm=not args.no_splitk,
                        gated_gemm=not args.no_gated, pdl=not args.no_pdl,
                        pdl_prefetch=not args.no_prefetch, overlap_windows=not args.no_overlap,
-                       fused_attention=not args.no_fused_attention)
+                       fused_attention=not args.no_fused_attention, fold_norms=not args.no_fold_norms)
     if args.decode_steps:
         cfg.decode_steps = args.decode_steps
     elif dev.type == "cpu":
@@ -183,7 +184,7 @@ def main() -> None:
     ops = {name: getattr(fn, "__name__", str(fn)) for name, fn in
            (("rmsnorm", model.model.norm.op), ("rope", model.model.layers[0].self_attn.rope), ("swiglu", model.model.layers[0].mlp.act))}
     print(f"engine: triton decode {core.runner.use_triton}, fused layer kernels {core.runner.fused_kernels}, split-K {core.runner.splitk}, "
-          f"gated {core.runner.gated}, fused attention {cfg.fused_attention}, attention launch {core.runner.attn_launch or 'default'}, PDL {core.runner.pdl} (prefetch {cfg.pdl_prefetch}), "
+          f"gated {core.runner.gated}, fused attention {cfg.fused_attention}, folded norms {cfg.fold_norms}, attention launch {core.runner.attn_launch or 'default'}, PDL {core.runner.pdl} (prefetch {cfg.pdl_prefetch}), "
           f"cuda graphs {core.runner.use_graphs}, decode steps/sync {cfg.decode_steps}, overlapped windows {cfg.overlap_windows}, kernels {ops}")
     head = f"{'batch':>6} | {'engine tok/s':>12} | {'HF tok/s':>10} | {'speedup':>8} | {'roofline':>8} | identical"
     print(head + "\n" + "-" * len(head))
@@ -197,7 +198,7 @@ def main() -> None:
         Path(out).mkdir(parents=True, exist_ok=True)
         meta = {"preset": args.preset, "temperature": args.temperature, "device": device_name, "torch": torch.__version__, "config": vars(a),
                 "triton_decode": core.runner.use_triton, "fused_kernels": core.runner.fused_kernels, "splitk_gemm": core.runner.splitk, "cuda_graphs": core.runner.use_graphs,
-                "gated_gemm": core.runner.gated, "pdl": core.runner.pdl, "overlap_windows": cfg.overlap_windows, "fused_attention": cfg.fused_attention}
+                "gated_gemm": core.runner.gated, "pdl": core.runner.pdl, "overlap_windows": cfg.overlap_windows, "fused_attention": cfg.fused_attention, "fold_norms": cfg.fold_norms}
         (Path(out) / f"rollout_bench{'_t' + str(args.temperature) if args.temperature > 0 else ''}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 

@@ -102,3 +102,46 @@ def test_choose_split():
         kb = -(-k // bk)
         assert 1 <= s <= kb and -(-n // bn) * s >= min(sms, -(-n // bn) * kb)
         assert -(-kb // -(-kb // s)) == s  # no empty split
+
+
+def test_residual_splitk_and_norm_on_load_match_add_rmsnorm_in_interpreter():
+    """splitk_residual (the last split of each N tile adds the partials to the residual) and the GEMMs'
+    ``norm`` (the RMSNorm applied as the input is loaded, from the per-tile sums of squares) against
+    the split-K partials + add_rmsnorm + plain GEMMs they replace; the tile counters are left at zero.
+    fp32 and bf16; N with a partial tile (96 = 3 tiles of 32; 80 = 2.5)."""
+    code = r"""
+import torch
+from miles_core.rollout.engine_core import triton_gemm as tg, triton_fused as tf
+if not tg.available():
+    print("SKIP"); raise SystemExit
+torch.manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    for m, hidden, k, inter, split in ((5, 96, 128, 48, 3), (64, 80, 192, 32, 4)):
+        x = torch.randn(m, k).to(dtype)
+        w = (torch.randn(hidden, k) / 8).to(dtype)
+        res = torch.randn(m, hidden).to(dtype)
+        nw = (1 + 0.1 * torch.randn(hidden)).to(dtype)
+        counters = torch.zeros(8, dtype=torch.int32)
+        y, ss = tg.splitk_residual(x, w, res, split, counters)
+        ref_y, ref_h = tf.add_rmsnorm(res, tg.splitk_gemm(x, w, split, block_n=32, block_k=64), nw, 1e-6)
+        assert torch.equal(y, ref_y), (dtype, m)  # same partials, same order, same rounding
+        assert counters.abs().max() == 0
+        assert ss.shape == (-(-hidden // 32), m)
+        assert torch.allclose(ss.sum(0), y.float().pow(2).sum(-1), rtol=1e-5)
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        wq = (torch.randn(64, hidden) / 8).to(dtype)
+        got = tg.gemm(y, wq, norm=(ss, nw, 1e-6))
+        ref = tg.gemm(ref_h, wq)
+        assert (got.float() - ref.float()).abs().max() <= tol * ref.float().abs().max(), (dtype, m, "gemm")
+        wg = (torch.randn(2 * inter, hidden) / 8).to(dtype)
+        got = tg.gated_gemm(y, wg, norm=(ss, nw, 1e-6))
+        ref = tg.gated_gemm(ref_h, wg)
+        assert (got.float() - ref.float()).abs().max() <= tol * ref.float().abs().max(), (dtype, m, "gated")
+print("OK")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    if "SKIP" in res.stdout:
+        pytest.skip("triton is not installed")
+    assert "OK" in res.stdout

@@ -27,6 +27,9 @@ class EngineConfig:
     # GPU, with fused_kernels: at decode, the q/k/v prologue (norm, rotary, K/V write) runs inside the
     # paged-attention kernel (triton_decode.paged_decode_qkv) instead of as a kernel of its own
     fused_attention: bool = True
+    # GPU, with fused_attention, split-K and gated GEMMs, decode of <= 64 rows: the residual adds in the split-K
+    # GEMMs' last program per tile, the norms applied by the next GEMM as it loads its input (runner._layers_folded)
+    fold_norms: bool = True
     splitk_gemm: bool = True  # GPU, with fused_kernels: o_proj/down_proj for <= 64 rows through triton_gemm.py's split-K kernel
     gated_gemm: bool = True  # GPU, with fused_kernels: gate/up GEMM + SwiGLU in one Triton kernel for <= 64 rows
     # GPU sm90+, with fused_kernels: the layer kernels launched as programmatic dependents, the GEMMs
