@@ -46,12 +46,10 @@ def graph_time(fn, calls: int = 28, reps: int = 20) -> float:
 
 
 def attention(batches, ctx: int, heads=16, kv_heads=8, d=128, page=16) -> None:
-    """The paged decode kernel by launch: splits, block_n, warps, and its loop form (``pipe``: the next
-    block's loads issued before this block's math; ``mma``: tl.dot on a 16-row padded query group, else
-    fp32 multiply-and-sum over the group's own rows)."""
+    """The paged decode kernel by launch (splits, block_n, warps); the engine's launch is marked."""
     dev = torch.device("cuda")
     print(f"\npaged decode attention, context {ctx}, {heads} heads / {kv_heads} KV heads, head dim {d}, page {page}")
-    print(f"{'batch':>5} {'splits':>6} {'block_n':>7} {'warps':>5} {'pipe':>5} {'mma':>5} {'µs':>8} {'TB/s':>6}")
+    print(f"{'batch':>5} {'splits':>6} {'block_n':>7} {'warps':>5} {'µs':>8} {'TB/s':>6}")
     for b in batches:
         pages = ctx // page
         s = b * pages + 1
@@ -63,23 +61,19 @@ def attention(batches, ctx: int, heads=16, kv_heads=8, d=128, page=16) -> None:
         kv_bytes = 2 * b * ctx * kv_heads * d * 2
         best = None
         default = triton_decode.num_splits(b, kv_heads, torch.cuda.get_device_properties(dev).multi_processor_count)
-        ref = triton_decode.paged_decode(q, kc, vc, bt, cl, page, default, pipe=False)
-        for splits, bn, w, (pipe, mma) in itertools.product(sorted({1, 2, default}), (16, 32, 64), (4, 8),
-                                                            ((False, True), (True, True), (True, False))):
+        engine = triton_decode.decode_launch(b)
+        for splits, bn, w in itertools.product(sorted({1, 2, default}), (16, 32, 64), (4, 8)):
             try:
-                fn = lambda: triton_decode.paged_decode(q, kc, vc, bt, cl, page, splits, bn, w, pipe=pipe, mma=mma)  # noqa: E731
-                err = (fn().float() - ref.float()).abs().max().item()
-                t = graph_time(fn)
+                t = graph_time(lambda: triton_decode.paged_decode(q, kc, vc, bt, cl, page, splits, bn, w))
             except Exception as exc:  # a config that does not compile (shared memory)
-                print(f"{b:>5} {splits:>6} {bn:>7} {w:>5} {pipe!s:>5} {mma!s:>5}   failed: {type(exc).__name__}")
+                print(f"{b:>5} {splits:>6} {bn:>7} {w:>5}   failed: {type(exc).__name__}")
                 continue
-            tag = " (session-11 launch)" if (splits, bn, w, pipe, mma) == (default, 64, 4, False, True) else ""
-            tag += f"  WRONG: max diff {err:.2e}" if err > 2e-2 else ""
-            print(f"{b:>5} {splits:>6} {bn:>7} {w:>5} {pipe!s:>5} {mma!s:>5} {t:>8.1f} {kv_bytes / t / 1e6:>6.2f}{tag}")
-            if err <= 2e-2 and (best is None or t < best[0]):
-                best = (t, (splits, bn, w, pipe, mma))
+            tag = " (engine)" if (splits, bn, w) == (default, engine["block_n"], engine["num_warps"]) else ""
+            print(f"{b:>5} {splits:>6} {bn:>7} {w:>5} {t:>8.1f} {kv_bytes / t / 1e6:>6.2f}{tag}")
+            if best is None or t < best[0]:
+                best = (t, (splits, bn, w))
         if best is not None:
-            print(f"  best at batch {b}: {best[0]:.1f} µs, (splits, block_n, warps, pipe, mma) = {best[1]}")
+            print(f"  best at batch {b}: {best[0]:.1f} µs, (splits, block_n, warps) = {best[1]}")
 
 
 def prologue(batches, ctx: int, heads=16, kv_heads=8, d=128, page=16) -> None:

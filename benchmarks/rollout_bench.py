@@ -112,9 +112,9 @@ def main() -> None:
     ap.add_argument("--no-prefetch", action="store_true", help="engine: PDL without the GEMMs' L2 weight prefetch")
     ap.add_argument("--no-overlap", action="store_true", help="engine: read each decode window before launching the next")
     ap.add_argument("--no-fused-attention", action="store_true", help="engine: the q/k/v prologue as its own kernel, not inside decode attention")
-    ap.add_argument("--attention", default=None, help="engine: the paged decode kernel's launch, BLOCK_N,WARPS,PIPE,MMA "
-                    "(e.g. 64,4,0,1, session 11's); default: triton_decode.decode_launch")
-    ap.add_argument("--no-fold-norms", action="store_true", help="engine: residual add + norm as their own kernels at decode")
+    ap.add_argument("--attention", default=None, help="engine: the paged decode kernel's launch, BLOCK_N,WARPS "
+                    "(default: triton_decode.decode_launch)")
+    ap.add_argument("--fold-norms", action="store_true", help="engine: residual add + norm folded into the decode GEMMs (engine.fold_norms)")
     ap.add_argument("--no-fused", action="store_true", help="engine: without the fused Triton layer kernels (triton_fused.py)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default); > 0 samples (top-k/top-p off)")
     args = ap.parse_args()
@@ -143,15 +143,15 @@ def main() -> None:
                        max_batched_tokens=16384, fused_kernels=not args.no_fused, splitk_gemm=not args.no_splitk,
                        gated_gemm=not args.no_gated, pdl=not args.no_pdl,
                        pdl_prefetch=not args.no_prefetch, overlap_windows=not args.no_overlap,
-                       fused_attention=not args.no_fused_attention, fold_norms=not args.no_fold_norms)
+                       fused_attention=not args.no_fused_attention, fold_norms=args.fold_norms)
     if args.decode_steps:
         cfg.decode_steps = args.decode_steps
     elif dev.type == "cpu":
         cfg.decode_steps = 8
     core = EngineCore(model, cfg)
     if args.attention:
-        bn, w, pipe, mma = (int(x) for x in args.attention.split(","))
-        core.runner.attn_launch = dict(block_n=bn, num_warps=w, pipe=bool(pipe), mma=bool(mma))
+        bn, w = (int(x) for x in args.attention.split(","))
+        core.runner.attn_launch = dict(block_n=bn, num_warps=w)
 
     elem = torch.finfo(dtype).bits // 8
     weight_bytes = sum(p.numel() for n, p in model.named_parameters() if not (a.tie and n == "model.embed_tokens.weight")) * elem

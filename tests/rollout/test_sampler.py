@@ -81,10 +81,9 @@ ctx = torch.tensor([5, 29, 0])
 q = torch.randn(3, 4, 16)
 ref = decode_attention_torch(q, kc, vc, bt, ctx, 4, 32)
 for splits in (1, 3):
-    for pipe, mma in ((False, True), (True, True), (True, False), (False, False)):  # every loop form of the kernel
-        out = td.paged_decode(q, kc, vc, bt, ctx, 4, splits, block_n=8, pipe=pipe, mma=mma)
-        assert (out[:2] - ref[:2]).abs().max() < 1e-5, (splits, pipe, mma)
-        assert out[2].abs().max() == 0
+    out = td.paged_decode(q, kc, vc, bt, ctx, 4, splits, block_n=8)
+    assert (out[:2] - ref[:2]).abs().max() < 1e-5, splits
+    assert out[2].abs().max() == 0
 print("OK")
 """
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -41,27 +41,8 @@ if triton is not None:
     from miles_core.rollout.engine_core.triton_pdl import pdl_wait
 
     @triton.jit
-    def _kv_block(K, V, BT, b, kvh, t, last, s_kt, s_kh, s_bt, PAGE: tl.constexpr, D: tl.constexpr):
-        """K and V rows [BLOCK_N, D] of the tokens ``t`` (clamped to ``last``, so every address is a real slot)."""
-        tc = tl.minimum(t, last)
-        page = tl.load(BT + b * s_bt + tc // PAGE).to(tl.int64)
-        off = (page * PAGE + tc % PAGE)[:, None] * s_kt + kvh * s_kh + tl.arange(0, D)[None, :]
-        return tl.load(K + off), tl.load(V + off)
-
-    @triton.jit
-    def _online_block(q, k, v, tmask, m, l, acc, scale, IEEE: tl.constexpr, MMA: tl.constexpr):
-        """One block of the online softmax: scores of ``q`` against ``k`` (masked by ``tmask``), rescale, add ``p @ v``.
-        ``MMA``: the two products as ``tl.dot`` (``q`` padded to 16 rows); else as fp32 multiply-and-sum in
-        registers over ``q``'s own rows (a group of 2 or 4 query heads needs no padding)."""
-        if not MMA:
-            scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2) * scale
-            scores = tl.where(tmask[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.sum(p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-            return m_new, l, acc
+    def _online_block(q, k, v, tmask, m, l, acc, scale, IEEE: tl.constexpr):
+        """One block of the online softmax: scores of ``q`` against ``k`` (masked by ``tmask``), rescale, add ``p @ v``."""
         if IEEE:  # fp32 cache: full-precision dots (the default would round the inputs to tf32)
             scores = tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee", out_dtype=tl.float32) * scale
         else:
@@ -79,38 +60,25 @@ if triton is not None:
 
     @triton.jit
     def _attend(q, K, V, BT, b, kvh, start, end, scale, s_kt, s_kh, s_bt,
-                PAGE: tl.constexpr, D: tl.constexpr, REP_P: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                PIPE: tl.constexpr, MMA: tl.constexpr):
+                PAGE: tl.constexpr, D: tl.constexpr, REP_P: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
         """Online softmax of the query group ``q`` [REP_P, D] over cache positions ``[start, end)`` of
         sequence ``b``, KV head ``kvh`` -> (out [REP_P, D] fp32, log-sum-exp [REP_P]).
 
-        ``PIPE``: the next block's page ids and K/V rows are loaded before this block's math (held in
-        registers across the iteration), so each iteration waits for one memory round trip, not two
-        (page id, then K/V), and overlaps it with the math. Token indices past ``end`` are clamped to
-        ``end - 1`` (a real slot, finite values) and only the scores are masked, so no load needs a mask.
-        Otherwise: one masked block at a time (Triton does not software-pipeline these gathered loads)."""
+        Triton does not software-pipeline these gathered loads (page id, then the K/V rows); loading the
+        next block before this block's math, by hand, was slower on the H200 (docs/benchmarks.md, session 12)."""
         offs_d = tl.arange(0, D)
         m = tl.full([REP_P], float("-inf"), tl.float32)
         l = tl.zeros([REP_P], tl.float32)
         acc = tl.zeros([REP_P, D], tl.float32)
-        if PIPE:
-            last = tl.maximum(end - 1, 0)
-            k, v = _kv_block(K, V, BT, b, kvh, start + tl.arange(0, BLOCK_N), last, s_kt, s_kh, s_bt, PAGE, D)
-            for t0 in range(start, end, BLOCK_N):
-                t = t0 + tl.arange(0, BLOCK_N)
-                kn, vn = _kv_block(K, V, BT, b, kvh, t + BLOCK_N, last, s_kt, s_kh, s_bt, PAGE, D)
-                m, l, acc = _online_block(q, k, v, t < end, m, l, acc, scale, IEEE, MMA)
-                k, v = kn, vn
-        else:
-            for t0 in range(start, end, BLOCK_N):
-                t = t0 + tl.arange(0, BLOCK_N)
-                tmask = t < end
-                page = tl.load(BT + b * s_bt + t // PAGE, mask=tmask, other=0).to(tl.int64)
-                slot = page * PAGE + t % PAGE
-                kv_off = slot[:, None] * s_kt + kvh * s_kh + offs_d[None, :]
-                k = tl.load(K + kv_off, mask=tmask[:, None], other=0.0)
-                v = tl.load(V + kv_off, mask=tmask[:, None], other=0.0)
-                m, l, acc = _online_block(q, k, v, tmask, m, l, acc, scale, IEEE, MMA)
+        for t0 in range(start, end, BLOCK_N):
+            t = t0 + tl.arange(0, BLOCK_N)
+            tmask = t < end
+            page = tl.load(BT + b * s_bt + t // PAGE, mask=tmask, other=0).to(tl.int64)
+            slot = page * PAGE + t % PAGE
+            kv_off = slot[:, None] * s_kt + kvh * s_kh + offs_d[None, :]
+            k = tl.load(K + kv_off, mask=tmask[:, None], other=0.0)
+            v = tl.load(V + kv_off, mask=tmask[:, None], other=0.0)
+            m, l, acc = _online_block(q, k, v, tmask, m, l, acc, scale, IEEE)
         has = l > 0
         out = acc / tl.where(has, l, 1.0)[:, None]
         lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
@@ -128,8 +96,7 @@ if triton is not None:
         Q, K, V, BT, CTX, O, LSE, scale,
         s_qb, s_qh, s_kt, s_kh, s_bt, s_ob, s_oh, s_os, s_lb, s_lh,
         PAGE: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PIPE: tl.constexpr,
-        MMA: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
         b = tl.program_id(0)
@@ -141,7 +108,7 @@ if triton is not None:
         hmask = offs_h < REP
         heads = kvh * REP + offs_h
         q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=hmask[:, None], other=0.0)
-        out, lse = _attend(q, K, V, BT, b, kvh, start, end, scale, s_kt, s_kh, s_bt, PAGE, D, REP_P, BLOCK_N, IEEE, PIPE, MMA)
+        out, lse = _attend(q, K, V, BT, b, kvh, start, end, scale, s_kt, s_kh, s_bt, PAGE, D, REP_P, BLOCK_N, IEEE)
         tl.store(O + b * s_ob + heads[:, None] * s_oh + s * s_os + offs_d[None, :], out.to(O.dtype.element_ty), mask=hmask[:, None])
         tl.store(LSE + b * s_lb + heads * s_lh + s, lse, mask=hmask)
 
@@ -170,8 +137,7 @@ if triton is not None:
         s_qkv, s_kt, s_kh, s_bt, s_ob, s_oh, s_os, s_lb, s_lh,
         H: tl.constexpr, HK: tl.constexpr, NORM: tl.constexpr,
         PAGE: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PIPE: tl.constexpr,
-        MMA: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     ):
         """:func:`.triton_fused.qkv_prologue` and :func:`_decode_kernel` in one program per (row, KV head,
         split): the group's q rows from the fused projection, normed and rotated in registers; the split
@@ -201,21 +167,16 @@ if triton is not None:
             v = tl.load(row + (H + HK + kvh) * D + offs_d)
             tl.store(V + dst + offs_d, v.to(V.dtype.element_ty))
         tl.debug_barrier()
-        out, lse = _attend(q, K, V, BT, b, kvh, start, end, scale, s_kt, s_kh, s_bt, PAGE, D, REP_P, BLOCK_N, IEEE, PIPE, MMA)
+        out, lse = _attend(q, K, V, BT, b, kvh, start, end, scale, s_kt, s_kh, s_bt, PAGE, D, REP_P, BLOCK_N, IEEE)
         tl.store(O + b * s_ob + heads[:, None] * s_oh + s * s_os + offs_d[None, :], out.to(O.dtype.element_ty), mask=hmask[:, None])
         tl.store(LSE + b * s_lb + heads * s_lh + s, lse, mask=hmask)
 
 
-def _rep_p(rep: int, mma: bool) -> int:
-    """Rows of the query-group tile: ``tl.dot`` needs at least 16; the register path takes the group as it is."""
-    return max(16, triton.next_power_of_2(rep)) if mma else triton.next_power_of_2(rep)
-
-
 def decode_launch(batch: int) -> dict:
     """The engine's launch of the paged decode kernel for a step of ``batch`` rows (keywords of
-    :func:`paged_decode`): the pipelined loop, 32-token blocks over 8 warps (125 registers, no spills
-    for sm90 at head dim 128)."""
-    return dict(block_n=32, num_warps=8, pipe=True, mma=True)
+    :func:`paged_decode`): 64-token blocks over 4 warps, the fastest of 36 launches at batch 64 and 256
+    on the H200 (benchmarks/decode_parts.py --parts attention, 2026-12-05: 20.3 / 70.1 µs per layer)."""
+    return dict(block_n=64, num_warps=4)
 
 
 def num_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
@@ -223,8 +184,8 @@ def num_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
     return max(1, min(32, math.ceil(2 * num_sms / max(1, batch * kv_heads))))
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int, splits: int, block_n: int = 32,
-                 num_warps: int = 8, num_stages: int = 3, pdl: bool = False, pipe: bool = True, mma: bool = True):
+def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int, splits: int, block_n: int = 64,
+                 num_warps: int = 4, num_stages: int = 3, pdl: bool = False):
     """``q`` [B, H, D] -> [B, H, D] in q's dtype. See the module docstring. ``pdl``: launched (with the merge)
     as programmatic dependents (:mod:`.triton_pdl`)."""
     b, h, d = q.shape
@@ -237,8 +198,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int, s
         q, k_cache, v_cache, block_tables, ctx_lens, partial, lse, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-        PAGE=block_size, D=d, REP=rep, REP_P=_rep_p(rep, mma), BLOCK_N=block_n, SPLITS=splits,
-        IEEE=k_cache.dtype == torch.float32, PDL=pdl, PIPE=pipe, MMA=mma, num_warps=num_warps, num_stages=num_stages, **triton_pdl.launch_opts(pdl),
+        PAGE=block_size, D=d, REP=rep, REP_P=max(16, triton.next_power_of_2(rep)), BLOCK_N=block_n, SPLITS=splits,
+        IEEE=k_cache.dtype == torch.float32, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **triton_pdl.launch_opts(pdl),
     )
     if splits == 1:
         return partial[:, :, 0]
@@ -246,8 +207,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int, s
 
 
 def paged_decode_qkv(qkv, num_heads: int, q_weight, k_weight, eps: float, positions, cos_table, sin_table, k_cache, v_cache,
-                     block_tables, ctx_lens, block_size: int, splits: int, block_n: int = 32, num_warps: int = 8,
-                     num_stages: int = 3, pdl: bool = False, pipe: bool = True, mma: bool = True):
+                     block_tables, ctx_lens, block_size: int, splits: int, block_n: int = 64, num_warps: int = 4,
+                     num_stages: int = 3, pdl: bool = False):
     """:func:`.triton_fused.qkv_prologue` (decode form: slots from the block tables) followed by
     :func:`paged_decode`, in one kernel: ``qkv`` [B, (H + 2 Hk) D] -> attention output [B, H, D].
     Writes each row's new k/v at position ``ctx - 1`` (a row with ``ctx == 0``, padding, writes nothing).
@@ -264,8 +225,8 @@ def paged_decode_qkv(qkv, num_heads: int, q_weight, k_weight, eps: float, positi
         block_tables, ctx_lens, partial, lse, 1.0 / math.sqrt(d), float(eps),
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-        H=num_heads, HK=hk, NORM=norm, PAGE=block_size, D=d, REP=rep, REP_P=_rep_p(rep, mma), BLOCK_N=block_n,
-        SPLITS=splits, IEEE=k_cache.dtype == torch.float32, PDL=pdl, PIPE=pipe, MMA=mma, num_warps=num_warps, num_stages=num_stages,
+        H=num_heads, HK=hk, NORM=norm, PAGE=block_size, D=d, REP=rep, REP_P=max(16, triton.next_power_of_2(rep)), BLOCK_N=block_n,
+        SPLITS=splits, IEEE=k_cache.dtype == torch.float32, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
         **triton_pdl.launch_opts(pdl),
     )
     if splits == 1:
