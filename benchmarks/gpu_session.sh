@@ -29,7 +29,7 @@
 #   bash benchmarks/gpu_session.sh s11c     # engine at batch 256 after HF, without HF before it, and without HF at all (the session-10 gap)
 #   bash benchmarks/gpu_session.sh s12a     # rollout GPU tests; prologue + attention vs the fused kernel alone; engine with / without overlapped windows and the fused attention
 #   bash benchmarks/gpu_session.sh s12b     # rollout GPU tests; the paged decode kernel by launch (pipelined loop, tl.dot or not); engine by attention launch, folded norms or not
-#   bash benchmarks/gpu_session.sh s12c     # rollout GPU tests; rollout bench with HF; engine without overlap, with folded norms, default
+#   bash benchmarks/gpu_session.sh s12c     # rollout bench with HF; engine without overlap, with folded norms; rollout GPU tests
 #   bash benchmarks/gpu_session.sh s10d     # rollout GPU tests; rollout bench (PDL at <= 64 rows, the default) with HF, and --no-pdl
 #   bash benchmarks/gpu_session.sh fp8check   # the FP8 quantiser / module-gradient / path tests under the default (fused activation) kernels
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
@@ -194,12 +194,12 @@ print(min(t)[1].strip('()').replace(' ', '') if t else '')")
           | tee "$OUT/rollout_bench_${v%%:*}.log" | grep -E "^ +(1|64|256) \|" | tr '\n' ' '; echo " <- ${v%%:*}"
       done ;;
     s12c)
-      timeout 60 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -3
       OUT= timeout 130 python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench_hf.log" | tail -5
-      for v in "noov:--no-overlap" "fold:--fold-norms" "def:"; do
+      for v in "noov:--no-overlap" "fold:--fold-norms"; do
         OUT= timeout 50 python3 benchmarks/rollout_bench.py --preset gpu --batches 1,64,256 --skip-hf ${v#*:} 2>&1 \
           | tee "$OUT/rollout_bench_${v%%:*}.log" | grep -E "^ +(1|64|256) \|" | tr '\n' ' '; echo " <- ${v%%:*}"
-      done ;;
+      done
+      timeout 60 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -3 ;;
     s11c)
       for v in "hf64_256:--batches 64,256" "hf256:--batches 256" "skip:--batches 64,256 --skip-hf" "hf64_256b:--batches 64,256"; do
         OUT=$OUT/rb_${v%%:*} timeout 150 python3 benchmarks/rollout_bench.py --preset gpu ${v#*:} 2>&1 \
