@@ -6,7 +6,9 @@ batch size. tokens/s counts generated tokens over wall time (prefill included). 
 also gives the engine's fraction of the HBM roofline::
 
     bytes per decode step = weight bytes + B * (P + N/2) * layers * 2 * kv_heads * head_dim * bytes/elem
-    roofline fraction     = (bytes per step / 4.26e12 B/s) / (measured time / N)
+    roofline fraction     = (bytes per step / HBM bandwidth) / (measured time / N)
+
+(HBM bandwidth: 4.26e12 B/s on an H200, measured; 3.35e12 on an H100, NVIDIA's figure.)
 
 (the KV term is the mean context over the N steps; embedding rows read are negligible, and a tied
 embedding is counted once as the lm_head).
@@ -37,7 +39,12 @@ from miles_core.rollout.base import SamplingParams  # noqa: E402
 from miles_core.rollout.engine_core.config import EngineConfig  # noqa: E402
 from miles_core.rollout.engine_core.core import EngineCore  # noqa: E402
 
-HBM_BYTES_PER_S = 4.26e12
+HBM_BYTES_PER_S = 4.26e12  # the H200's, measured (the issue's figure)
+HBM_BY_DEVICE = {"H200": 4.26e12, "H100": 3.35e12}  # H100 SXM: NVIDIA's datasheet figure (not measured here)
+
+
+def hbm_bytes_per_s(name: str) -> float:
+    return next((v for k, v in HBM_BY_DEVICE.items() if k in name), HBM_BYTES_PER_S)
 
 PRESETS = {
     # Qwen3-0.6B's shape, random weights, bf16
@@ -114,7 +121,6 @@ def main() -> None:
     ap.add_argument("--no-fused-attention", action="store_true", help="engine: the q/k/v prologue as its own kernel, not inside decode attention")
     ap.add_argument("--attention", default=None, help="engine: the paged decode kernel's launch, BLOCK_N,WARPS "
                     "(default: triton_decode.decode_launch)")
-    ap.add_argument("--fold-norms", action="store_true", help="engine: residual add + norm folded into the decode GEMMs (engine.fold_norms)")
     ap.add_argument("--no-fused", action="store_true", help="engine: without the fused Triton layer kernels (triton_fused.py)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default); > 0 samples (top-k/top-p off)")
     args = ap.parse_args()
@@ -143,7 +149,7 @@ def main() -> None:
                        max_batched_tokens=16384, fused_kernels=not args.no_fused, splitk_gemm=not args.no_splitk,
                        gated_gemm=not args.no_gated, pdl=not args.no_pdl,
                        pdl_prefetch=not args.no_prefetch, overlap_windows=not args.no_overlap,
-                       fused_attention=not args.no_fused_attention, fold_norms=args.fold_norms)
+                       fused_attention=not args.no_fused_attention)
     if args.decode_steps:
         cfg.decode_steps = args.decode_steps
     elif dev.type == "cpu":
@@ -173,7 +179,7 @@ def main() -> None:
                 row["identical_sequences"] = f"{same}/{b}"
         if dev.type == "cuda":
             step_bytes = weight_bytes + b * (a.prompt_len + a.new_tokens / 2) * kv_per_token
-            row["roofline_frac"] = (step_bytes / HBM_BYTES_PER_S) / (e_dt / a.new_tokens)
+            row["roofline_frac"] = (step_bytes / hbm_bytes_per_s(torch.cuda.get_device_name(dev))) / (e_dt / a.new_tokens)
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -183,8 +189,10 @@ def main() -> None:
           + (f"temperature {args.temperature}" if args.temperature > 0 else "greedy"))
     ops = {name: getattr(fn, "__name__", str(fn)) for name, fn in
            (("rmsnorm", model.model.norm.op), ("rope", model.model.layers[0].self_attn.rope), ("swiglu", model.model.layers[0].mlp.act))}
+    if dev.type == "cuda":
+        print(f"roofline at {hbm_bytes_per_s(device_name) / 1e12:.2f} TB/s of HBM bandwidth")
     print(f"engine: triton decode {core.runner.use_triton}, fused layer kernels {core.runner.fused_kernels}, split-K {core.runner.splitk}, "
-          f"gated {core.runner.gated}, fused attention {cfg.fused_attention}, folded norms {cfg.fold_norms}, attention launch {core.runner.attn_launch or 'default'}, PDL {core.runner.pdl} (prefetch {cfg.pdl_prefetch}), "
+          f"gated {core.runner.gated}, fused attention {cfg.fused_attention}, attention launch {core.runner.attn_launch or 'default'}, PDL {core.runner.pdl} (prefetch {cfg.pdl_prefetch}), "
           f"cuda graphs {core.runner.use_graphs}, decode steps/sync {cfg.decode_steps}, overlapped windows {cfg.overlap_windows}, kernels {ops}")
     head = f"{'batch':>6} | {'engine tok/s':>12} | {'HF tok/s':>10} | {'speedup':>8} | {'roofline':>8} | identical"
     print(head + "\n" + "-" * len(head))
@@ -198,7 +206,7 @@ def main() -> None:
         Path(out).mkdir(parents=True, exist_ok=True)
         meta = {"preset": args.preset, "temperature": args.temperature, "device": device_name, "torch": torch.__version__, "config": vars(a),
                 "triton_decode": core.runner.use_triton, "fused_kernels": core.runner.fused_kernels, "splitk_gemm": core.runner.splitk, "cuda_graphs": core.runner.use_graphs,
-                "gated_gemm": core.runner.gated, "pdl": core.runner.pdl, "overlap_windows": cfg.overlap_windows, "fused_attention": cfg.fused_attention, "fold_norms": cfg.fold_norms}
+                "gated_gemm": core.runner.gated, "pdl": core.runner.pdl, "overlap_windows": cfg.overlap_windows, "fused_attention": cfg.fused_attention}
         (Path(out) / f"rollout_bench{'_t' + str(args.temperature) if args.temperature > 0 else ''}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 

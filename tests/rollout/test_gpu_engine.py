@@ -86,14 +86,12 @@ def test_triton_decode_matches_torch_bf16():
     assert torch.allclose(*first, atol=5e-2)  # the first token comes from the same prefill
 
 
-@pytest.mark.parametrize("qk_norm,splitk,gated,pdl,fold", [(True, False, False, False, False), (False, False, False, True, False),
-                                                          (True, True, False, False, False), (True, True, True, False, False),
-                                                          (True, True, True, True, False), (False, True, True, True, False),
-                                                          (True, True, True, True, True)])
-def test_fused_layer_kernels_match_unfused(qk_norm, splitk, gated, pdl, fold):
+@pytest.mark.parametrize("qk_norm,splitk,gated,pdl", [(True, False, False, False), (False, False, False, True), (True, True, False, False),
+                                                     (True, True, True, False), (True, True, True, True), (False, True, True, True)])
+def test_fused_layer_kernels_match_unfused(qk_norm, splitk, gated, pdl):
     """The fused layer kernels (triton_fused.py, on by default on a GPU; optionally with the split-K
     GEMM, the gated gate/up GEMM and programmatic dependent launch with the weight prefetch, which adds
-    the Triton q/k/v GEMM; optionally with the norms folded into the GEMMs) against the same engine without them: fp32 greedy tokens identical and logprobs within 1e-4; bf16 as accurate as the
+    the Triton q/k/v GEMM) against the same engine without them: fp32 greedy tokens identical and logprobs within 1e-4; bf16 as accurate as the
     unfused path against an fp32 full forward (its own sequences, see the test above)."""
     import copy
 
@@ -102,8 +100,7 @@ def test_fused_layer_kernels_match_unfused(qk_norm, splitk, gated, pdl, fold):
     if pdl and not triton_pdl.supported(torch.device("cuda")):
         pytest.skip("PDL needs sm90+ and a Triton with griddepcontrol")
     m = model(torch.float32, qk_norm)
-    core, fused = run(m, splitk_gemm=splitk, gated_gemm=gated, pdl=pdl, fold_norms=fold)
-    assert core.runner.folds(6) == fold
+    core, fused = run(m, splitk_gemm=splitk, gated_gemm=gated, pdl=pdl)
     assert core.runner.fused_kernels and core.runner.use_graphs and core.runner.splitk == splitk and core.runner.gated == gated
     assert core.runner.pdl == pdl
     _, ref = run(m, fused_kernels=False)
@@ -111,7 +108,7 @@ def test_fused_layer_kernels_match_unfused(qk_norm, splitk, gated, pdl, fold):
         assert a.output_ids == b.output_ids
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
     m = model(torch.bfloat16, qk_norm)
-    _, fused = run(m, splitk_gemm=splitk, gated_gemm=gated, pdl=pdl, fold_norms=fold)
+    _, fused = run(m, splitk_gemm=splitk, gated_gemm=gated, pdl=pdl)
     _, ref = run(m, fused_kernels=False)
     m32 = copy.deepcopy(m).float()
     err_fused, err_ref = _teacher_forced_error(m32, fused), _teacher_forced_error(m32, ref)

@@ -160,12 +160,9 @@ from miles_core.rollout.engine_core import triton_decode as td
 calls["attn_qkv"] = 0
 td.paged_decode_qkv = count("attn_qkv", td.paged_decode_qkv)
 
-calls["residual"] = 0
-tg.splitk_residual = count("residual", tg.splitk_residual)
-
-def run(m, fused, splitk=False, gated=False, triton_decode=False, fused_attention=True, fold_norms=False):
+def run(m, fused, splitk=False, gated=False, triton_decode=False, fused_attention=True):
     core = EngineCore(m, EngineConfig(block_size=4, num_blocks=64, max_model_len=64, decode_steps=2, cpu_decode_window=False,
-                                      fused_attention=fused_attention, fold_norms=fold_norms))
+                                      fused_attention=fused_attention))
     assert core.runner.fusable() and not core.runner.fused_kernels  # on by default only on a GPU with Triton
     core.runner.fused_kernels, core.runner.splitk, core.runner.gated = fused, splitk, gated
     core.runner.use_triton = triton_decode  # the GPU decode path (paged Triton attention), here in the interpreter
@@ -182,7 +179,7 @@ for qk_norm in (True, False):
         for p in m.parameters():
             p.add_(0.3 * torch.randn_like(p))
     ref = run(m, False)
-    assert calls == {"prologue": 0, "add_norm": 0, "gated": 0, "attn_qkv": 0, "residual": 0}
+    assert calls == {"prologue": 0, "add_norm": 0, "gated": 0, "attn_qkv": 0}
     # o_proj / down_proj as split-K partials summed by add_rmsnorm; gate/up + SwiGLU in one kernel
     for splitk, gated in ((False, False), (True, False), (True, True)):
         got = run(m, True, splitk, gated)
@@ -193,20 +190,14 @@ for qk_norm in (True, False):
         for a, b in zip(got, ref):
             assert a.output_ids == b.output_ids, (qk_norm, splitk, gated, a.output_ids, b.output_ids)
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
-    # the GPU's decode path: Triton paged attention, with the prologue inside it (fused_attention) or not,
-    # and with the residual adds and norms folded into the GEMMs (fold_norms: no add_rmsnorm at decode)
-    for fused_attention, fold in ((True, False), (False, False), (True, True)):
-        got = run(m, True, True, True, triton_decode=True, fused_attention=fused_attention, fold_norms=fold)
-        if fold:  # decode layers: attention with the prologue and two residual split-K GEMMs each; prefills as before
-            assert calls["attn_qkv"] > 0 and calls["residual"] == 2 * calls["attn_qkv"], calls
-            assert calls["add_norm"] == 2 * calls["prologue"], calls
-        else:
-            decode_layers = calls["add_norm"] // 2 - calls["prologue"]  # layer calls that ran no prologue kernel
-            assert calls["attn_qkv"] == (decode_layers if fused_attention else 0) and (decode_layers > 0) == fused_attention, calls
-            assert calls["residual"] == 0
-        calls.update(prologue=0, add_norm=0, gated=0, attn_qkv=0, residual=0)
+    # the GPU's decode path: Triton paged attention, with the prologue inside it (fused_attention) or not
+    for fused_attention in (True, False):
+        got = run(m, True, True, True, triton_decode=True, fused_attention=fused_attention)
+        decode_layers = calls["add_norm"] // 2 - calls["prologue"]  # layer calls that ran no prologue kernel
+        assert calls["attn_qkv"] == (decode_layers if fused_attention else 0) and (decode_layers > 0) == fused_attention, calls
+        calls.update(prologue=0, add_norm=0, gated=0, attn_qkv=0)
         for a, b in zip(got, ref):
-            assert a.output_ids == b.output_ids, (qk_norm, fused_attention, fold, a.output_ids, b.output_ids)
+            assert a.output_ids == b.output_ids, (qk_norm, fused_attention, a.output_ids, b.output_ids)
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 print("OK")
 """)

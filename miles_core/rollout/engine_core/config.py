@@ -24,13 +24,9 @@ class EngineConfig:
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
     triton_decode: bool = True  # the Triton paged-decode kernel on GPU (falls back to torch)
     fused_kernels: bool = True  # GPU: the fused Triton layer kernels of triton_fused.py (with triton_decode)
-    # GPU, with fused_kernels: at decode, the q/k/v prologue (norm, rotary, K/V write) runs inside the
-    # paged-attention kernel (triton_decode.paged_decode_qkv) instead of as a kernel of its own
+    # GPU, with fused_kernels: at decode of <= 64 rows, the q/k/v prologue (norm, rotary, K/V write) runs inside
+    # the paged-attention kernel (triton_decode.paged_decode_qkv) instead of as a kernel of its own
     fused_attention: bool = True
-    # GPU, with fused_attention, split-K and gated GEMMs, decode of <= 64 rows: the residual adds in the split-K
-    # GEMMs' last program per tile, the norms applied by the next GEMM as it loads its input (runner._layers_folded).
-    # Off by default: on the H200 it was not faster (docs/benchmarks.md, session 12)
-    fold_norms: bool = False
     splitk_gemm: bool = True  # GPU, with fused_kernels: o_proj/down_proj for <= 64 rows through triton_gemm.py's split-K kernel
     gated_gemm: bool = True  # GPU, with fused_kernels: gate/up GEMM + SwiGLU in one Triton kernel for <= 64 rows
     # GPU sm90+, with fused_kernels: the layer kernels launched as programmatic dependents, the GEMMs

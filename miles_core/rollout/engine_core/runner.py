@@ -94,7 +94,6 @@ class ModelRunner:
         # the paged decode kernel's launch (block_n, num_warps, pipe, mma; splits: num_splits) when set, else
         # triton_decode.decode_launch's choice; benchmarks set it to compare launches in one process
         self.attn_launch: dict | None = None
-        self._counters: torch.Tensor | None = None  # int32 tile counters of the residual split-K GEMMs (zero between launches)
 
     PDL_ROWS = 64
 
@@ -192,8 +191,6 @@ class ModelRunner:
         """``x`` [N, hidden]; ``attend(q, k_cache, v_cache) -> [N, H, D]``; ``slots`` None: decode rows, found
         from the block tables. ``attend_qkv(qkv, attention module, layer) -> [N, H, D]`` (fused path, decode):
         the prologue and attention in one call, replacing both. Returns (hidden, routing [N, L, k])."""
-        if attend_qkv is not None and self.folds(x.shape[0]):
-            return self._layers_folded(x, attend_qkv)
         if self.fused_kernels and self.qkv:
             return self._layers_fused(x, positions, slots, attend, attend_qkv)
         if slots is None:
@@ -294,48 +291,6 @@ class ModelRunner:
             x, h = triton_fused.add_rmsnorm(x, out, nxt.weight, nxt.eps, pdl)
         return h, (torch.stack(routed, 1) if routed else None)
 
-    def folds(self, rows: int) -> bool:
-        """Whether a decode step of ``rows`` rows runs :meth:`_layers_folded`: ``fold_norms`` on the fused path
-        with the split-K and gated GEMMs, at most 64 rows, a dense model whose projections are plain
-        bias-free linears."""
-        if not (self.cfg.fold_norms and self.splitk and self.gated and rows <= 64 and self.gate_up and not self.is_moe):
-            return False
-        plain = lambda m: type(m) is nn.Linear and m.bias is None  # noqa: E731
-        return all(g is not None and isinstance(l.mlp, MLP) and plain(l.self_attn.o_proj) and plain(l.mlp.down_proj)
-                   for g, l in zip(self.gate_up, self.model.model.layers))
-
-    def _layers_folded(self, x: torch.Tensor, attend_qkv) -> tuple[torch.Tensor, None]:
-        """:meth:`_layers_fused` for a decode step of at most 64 rows with the residual adds and the norms
-        folded into the GEMMs, five kernels per layer: q/k/v GEMM (normalising its input on load),
-        attention with the prologue, o_proj (split-K; the last split of each tile adds the residual and
-        sums squares), gate/up + SwiGLU (normalising on load), down_proj (as o_proj). The norm statistic
-        is summed per 32-column tile, then over tiles (add_rmsnorm sums the row at once): the same
-        formula, rounding of the mean aside."""
-        layers = self.model.model.layers
-        n = x.shape[0]
-        pdl, pf = self.pdl_at(n), self.cfg.pdl_prefetch
-        if self._counters is None:
-            self._counters = torch.zeros(1024, dtype=torch.int32, device=self.device)
-        h, ss = layers[0].input_layernorm(x), None
-        for i, layer in enumerate(layers):
-            a, mlp, inn, post = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-            if ss is None:
-                qkv = triton_gemm.gemm(h, self.qkv[i], pdl=pdl, prefetch=pf)
-            else:
-                qkv = triton_gemm.gemm(x, self.qkv[i], pdl=pdl, prefetch=pf, norm=(ss, inn.weight, inn.eps))
-            x, ss = self._residual_linear(a.o_proj, attend_qkv(qkv, a, i).reshape(n, -1), x)
-            act = triton_gemm.gated_gemm(x, self.gate_up[i], pdl=pdl, prefetch=pf, norm=(ss, post.weight, post.eps))
-            x, ss = self._residual_linear(mlp.down_proj, act, x)
-        return self.model.model.norm(x), None
-
-    def _residual_linear(self, linear: nn.Linear, inp: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x + linear(inp)`` and its per-tile sums of squares (:func:`.triton_gemm.splitk_residual`), split as
-        :meth:`_out_linear`."""
-        w = linear.weight
-        split = max(1, triton_gemm.choose_split(w.shape[0], w.shape[1], self.num_sms, 32, 64) // 2)
-        return triton_gemm.splitk_residual(inp, w, x, split, self._counters, block_n=32, block_k=64, pdl=self.pdl_at(x.shape[0]),
-                                           prefetch=self.cfg.pdl_prefetch)
-
     def _out_linear(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A projection back to the hidden size whose output only feeds :func:`.triton_fused.add_rmsnorm`.
 
@@ -385,7 +340,9 @@ class ModelRunner:
         else:
             attend = lambda q, kc, vc: decode_attention_torch(q, kc, vc, bt, ctx, p, max_ctx)  # noqa: E731
         attend_qkv = None
-        if self.use_triton and self.fused_kernels and self.cfg.fused_attention and not self.cfg.exact_attention:
+        # the prologue inside attention at <= 64 rows only: alone on the H200 (2026-12-05, decode_parts --parts prologue)
+        # it saved 0.3-0.4 µs per layer at batch 1 and 64 and cost 3.2 µs at 256
+        if self.use_triton and self.fused_kernels and self.cfg.fused_attention and not self.cfg.exact_attention and bs <= 64:
             cos, sin = self.rope_tables
 
             def attend_qkv(qkv, a, i):

@@ -57,25 +57,10 @@ if triton is not None:
     from miles_core.rollout.engine_core.triton_pdl import pdl_wait, prefetch_rows
 
     @triton.jit
-    def _rstd(SS, rm, M, K, eps, NT, NT_P: tl.constexpr):
-        """Rows' ``1 / sqrt(mean(x^2) + eps)`` from the per-tile sums of squares ``SS`` [NT, M] of a residual GEMM."""
-        t = tl.arange(0, NT_P)
-        ss = tl.load(SS + t[:, None] * M + rm[None, :], mask=(t < NT)[:, None], other=0.0)
-        return 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
-
-    @triton.jit
-    def _normed(a, NW, kk, K, rstd):
-        """The RMSNorm of an input tile as it is loaded: ``w * round(a * rstd)``, rounded (add_rmsnorm's math)."""
-        w = tl.load(NW + kk, mask=kk < K, other=0.0).to(tl.float32)
-        return (w[None, :] * (a.to(tl.float32) * rstd[:, None]).to(a.dtype).to(tl.float32)).to(a.dtype)
-
-    @triton.jit
     def _splitk_kernel(
         X, W, P, M, N, K, s_xm, s_wn, s_ps, s_pm,
-        SS_IN, NW, eps, NT_IN, R, XO, SS_OUT, CNT,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
         EVEN_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr,
-        NORM_A: tl.constexpr, NT_P: tl.constexpr, RESID: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         s = tl.program_id(1)
@@ -92,8 +77,6 @@ if triton is not None:
         x_ptrs = X + rm[:, None] * s_xm + offs_k[None, :]
         w_ptrs = W + rn[:, None] * s_wn + offs_k[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if NORM_A:  # X is a residual stream; its norm (statistics from the producer's SS) is applied on load
-            rstd = _rstd(SS_IN, rm, M, K, eps, NT_IN, NT_P)
         for i in range(K_ITERS):
             if EVEN_K:  # every split lies inside K
                 a = tl.load(x_ptrs)
@@ -102,8 +85,6 @@ if triton is not None:
                 kmask = offs_k < K - i * BLOCK_K
                 a = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
                 b = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
-            if NORM_A:
-                a = _normed(a, NW, offs_k + i * BLOCK_K, K, rstd)
             if IEEE:  # fp32 inputs: full-precision dots (the default would round them to tf32)
                 acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee", out_dtype=tl.float32)
             else:
@@ -111,30 +92,14 @@ if triton is not None:
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         p_ptrs = P + s.to(tl.int64) * s_ps + offs_m.to(tl.int64)[:, None] * s_pm + offs_n[None, :]
-        mn = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        tl.store(p_ptrs, acc.to(P.dtype.element_ty), mask=mn)
-        if RESID:  # the last split of this N tile to finish adds the partials, in split order, to the residual
-            tl.debug_barrier()  # every thread's partial stored before the count (released by the atomic)
-            done = tl.atomic_add(CNT + pid_n, 1, sem="acq_rel")
-            if done == tl.num_programs(1) - 1:
-                base = P + offs_m.to(tl.int64)[:, None] * s_pm + offs_n[None, :]
-                r = tl.load(base, mask=mn, other=0.0, cache_modifier=".cg")  # L2: other SMs wrote them
-                for s2 in range(1, tl.num_programs(1)):
-                    r += tl.load(base + s2 * s_ps, mask=mn, other=0.0, cache_modifier=".cg")
-                xy = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-                x = tl.load(R + xy, mask=mn, other=0.0)
-                y = (x.to(tl.float32) + r).to(x.dtype)  # the residual stream, rounded as torch's add
-                tl.store(XO + xy, y, mask=mn)
-                yf = y.to(tl.float32)
-                tl.store(SS_OUT + pid_n * M + offs_m, tl.sum(yf * yf, 1), mask=offs_m < M)
-                tl.atomic_xchg(CNT + pid_n, 0)  # zero again for the next launch
+        tl.store(p_ptrs, acc.to(P.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
     @triton.jit
     def _gated_kernel(
-        X, W, O, M, I, K, s_xm, s_wn, s_om, SS_IN, NW, eps, NT_IN,
+        X, W, O, M, I, K, s_xm, s_wn, s_om,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-        PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr, NORM_A: tl.constexpr, NT_P: tl.constexpr,
+        PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr,
     ):
         """``O[:, n] = silu(X @ W[n].T) * (X @ W[I + n].T)`` for a [BLOCK_M, BLOCK_N] tile: the gate and
         up rows of the fused weight as two accumulators, rounded to the output dtype and combined as
@@ -154,8 +119,6 @@ if triton is not None:
         u_ptrs = g_ptrs + I * s_wn
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if NORM_A:
-            rstd = _rstd(SS_IN, rm, M, K, eps, NT_IN, NT_P)
         for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
                 a = tl.load(x_ptrs)
@@ -166,8 +129,6 @@ if triton is not None:
                 a = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
                 g = tl.load(g_ptrs, mask=kmask[None, :], other=0.0)
                 u = tl.load(u_ptrs, mask=kmask[None, :], other=0.0)
-            if NORM_A:
-                a = _normed(a, NW, offs_k + k0, K, rstd)
             if IEEE:
                 acc_g = tl.dot(a, tl.trans(g), acc_g, input_precision="ieee", out_dtype=tl.float32)
                 acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision="ieee", out_dtype=tl.float32)
@@ -185,23 +146,13 @@ if triton is not None:
         tl.store(o_ptrs, (act * up).to(dt), mask=(offs_m < M)[:, None] & (offs_n < I)[None, :])
 
 
-def _norm_args(norm, x: torch.Tensor) -> tuple:
-    """Kernel arguments of an input normalised on load: ``norm`` = (ss [NT, M] fp32 from :func:`splitk_residual`,
-    RMSNorm weight [K], eps), or None."""
-    if norm is None:
-        return (x, x, 0.0, 1), dict(NORM_A=False, NT_P=1)
-    ss, weight, eps = norm
-    return (ss, weight, float(eps), ss.shape[0]), dict(NORM_A=True, NT_P=triton.next_power_of_2(ss.shape[0]))
-
-
 def gated_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: int = 64, num_warps: int = 4,
-               num_stages: int = 4, pdl: bool = False, prefetch: bool = True, norm=None) -> torch.Tensor:
+               num_stages: int = 4, pdl: bool = False, prefetch: bool = True) -> torch.Tensor:
     """x [M, K], w [2I, K] (the fused gate/up weight, gate rows first) -> ``silu(x @ w[:I].T) * (x @ w[I:].T)``
     [M, I] in x's dtype, in one kernel: the MLP's gate/up GEMM with the SwiGLU as its epilogue (no
     [M, 2I] intermediate, no SwiGLU kernel). Each program streams ``2 * block_n`` weight rows.
     ``pdl``: launched as a programmatic dependent, and with ``prefetch`` prefetching its weight rows into L2
-    before the wait (:mod:`.triton_pdl`). ``norm`` = (ss, weight, eps): ``x`` is a residual stream from
-    :func:`splitk_residual` and the GEMM's input is its RMSNorm, applied as each tile is loaded."""
+    before the wait (:mod:`.triton_pdl`)."""
     m, k = x.shape
     n2, k2 = w.shape
     assert k == k2 and n2 % 2 == 0, (x.shape, w.shape)
@@ -213,12 +164,10 @@ def gated_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: int
         return out
     bm = block_m(m)
     line, nlines = triton_pdl.lines(k, w.element_size())
-    nargs, nconst = _norm_args(norm, x)
     _gated_kernel[(_cdiv(inter, block_n), _cdiv(m, bm))](
-        x, w, out, m, inter, k, x.stride(0), w.stride(0), out.stride(0), *nargs,
+        x, w, out, m, inter, k, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32,
-        PDL=pdl, PREFETCH=pdl and prefetch, LINE=line, LINES=nlines, **nconst, num_warps=num_warps, num_stages=num_stages,
-        **triton_pdl.launch_opts(pdl),
+        PDL=pdl, PREFETCH=pdl and prefetch, LINE=line, LINES=nlines, num_warps=num_warps, num_stages=num_stages, **triton_pdl.launch_opts(pdl),
     )
     return out
 
@@ -234,7 +183,7 @@ def block_m(m: int) -> int:
 
 def splitk_gemm(x: torch.Tensor, w: torch.Tensor, split_k: int, block_n: int = 32, block_k: int = 128,
                 num_warps: int = 4, num_stages: int = 4, pdl: bool = False, out_dtype: torch.dtype = torch.float32,
-                prefetch: bool = True, norm=None, residual=None) -> torch.Tensor:
+                prefetch: bool = True) -> torch.Tensor:
     """x [M, K] (unit last stride), w [N, K] (nn.Linear weight, unit last stride) -> fp32 partials [split_k, M, N]; sum(0) == x @ w.T.
 
     ``out_dtype``: the partials' dtype (with ``split_k=1``, x's dtype gives ``x @ w.T`` rounded as ``F.linear``'s
@@ -255,42 +204,19 @@ def splitk_gemm(x: torch.Tensor, w: torch.Tensor, split_k: int, block_n: int = 3
     k_iters = _cdiv(kb, split_k)
     bm = block_m(m)
     line, nlines = triton_pdl.lines(k_iters * block_k, w.element_size())
-    nargs, nconst = _norm_args(norm, x)
-    r, xo, ss, cnt = residual if residual is not None else (x, x, partial, partial)
     _splitk_kernel[(_cdiv(n, block_n), split_k, _cdiv(m, bm))](
-        x, w, partial, m, n, k, x.stride(0), w.stride(0), partial.stride(0), partial.stride(1), *nargs, r, xo, ss, cnt,
+        x, w, partial, m, n, k, x.stride(0), w.stride(0), partial.stride(0), partial.stride(1),
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_iters,
         EVEN_K=k % block_k == 0 and kb == k_iters * split_k, IEEE=x.dtype == torch.float32,
-        PDL=pdl, PREFETCH=pdl and prefetch, LINE=line, LINES=nlines, **nconst, RESID=residual is not None,
-        num_warps=num_warps, num_stages=num_stages, **triton_pdl.launch_opts(pdl),
+        PDL=pdl, PREFETCH=pdl and prefetch, LINE=line, LINES=nlines, num_warps=num_warps, num_stages=num_stages, **triton_pdl.launch_opts(pdl),
     )
     return partial
 
 
-def splitk_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, split_k: int, counters: torch.Tensor,
-                    block_n: int = 32, block_k: int = 64, pdl: bool = False, prefetch: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """``residual + x @ w.T`` [M, N] (rounded to the residual's dtype) and its per-tile sums of squares
-    ``ss`` [cdiv(N, block_n), M] fp32, in one split-K launch: the last split of each N tile to finish
-    (an atomic count per tile in ``counters``, int32 zeros, left zero) sums the fp32 partials in split
-    order and adds the residual, as :func:`.triton_fused.add_rmsnorm` does. ``ss`` feeds the next
-    GEMM's ``norm`` (its RMSNorm statistics), so the add + norm kernel between them is not needed.
-    M <= 64 (one M tile)."""
-    m, n = residual.shape
-    assert m <= 64 and x.shape[0] == m and w.shape[0] == n and residual.is_contiguous(), (x.shape, w.shape, residual.shape)
-    tiles = _cdiv(n, block_n)
-    assert counters.dtype == torch.int32 and counters.numel() >= tiles
-    out = torch.empty_like(residual)
-    ss = torch.empty(tiles, m, device=x.device, dtype=torch.float32)
-    splitk_gemm(x, w, split_k, block_n, block_k, pdl=pdl, prefetch=prefetch, residual=(residual, out, ss, counters))
-    return out, ss
-
-
-def gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: int = 64, pdl: bool = False, prefetch: bool = True,
-         norm=None) -> torch.Tensor:
+def gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: int = 64, pdl: bool = False, prefetch: bool = True) -> torch.Tensor:
     """``x @ w.T`` [M, N] in x's dtype through the split-K kernel with one split (the decode step's q/k/v
-    GEMM when the step's kernels are chained by PDL, so that it prefetches its weights as the others do).
-    ``norm``: as :func:`gated_gemm`'s."""
-    return splitk_gemm(x, w, 1, block_n=block_n, block_k=block_k, pdl=pdl, out_dtype=x.dtype, prefetch=prefetch, norm=norm)[0]
+    GEMM when the step's kernels are chained by PDL, so that it prefetches its weights as the others do)."""
+    return splitk_gemm(x, w, 1, block_n=block_n, block_k=block_k, pdl=pdl, out_dtype=x.dtype, prefetch=prefetch)[0]
 
 
 def reduce_splits(partial: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
