@@ -61,14 +61,13 @@ def attention(batches, ctx: int, heads=16, kv_heads=8, d=128, page=16) -> None:
         kv_bytes = 2 * b * ctx * kv_heads * d * 2
         best = None
         default = triton_decode.num_splits(b, kv_heads, torch.cuda.get_device_properties(dev).multi_processor_count)
-        engine = triton_decode.decode_launch(b)
         for splits, bn, w in itertools.product(sorted({1, 2, default}), (16, 32, 64), (4, 8)):
             try:
                 t = graph_time(lambda: triton_decode.paged_decode(q, kc, vc, bt, cl, page, splits, bn, w))
             except Exception as exc:  # a config that does not compile (shared memory)
                 print(f"{b:>5} {splits:>6} {bn:>7} {w:>5}   failed: {type(exc).__name__}")
                 continue
-            tag = " (engine)" if (splits, bn, w) == (default, engine["block_n"], engine["num_warps"]) else ""
+            tag = " (engine)" if (splits, bn, w) == (default, triton_decode.BLOCK_N, triton_decode.NUM_WARPS) else ""
             print(f"{b:>5} {splits:>6} {bn:>7} {w:>5} {t:>8.1f} {kv_bytes / t / 1e6:>6.2f}{tag}")
             if best is None or t < best[0]:
                 best = (t, (splits, bn, w))
@@ -115,7 +114,7 @@ def launches(batches, hidden=1024, heads=16, kv_heads=8, d=128, inter=3072) -> N
           f"{'block_k':>7} {'stages':>6} {'µs':>8} {'TB/s':>6}")
     for b in batches:
         x = torch.randn(b, hidden, device=dev, dtype=torch.bfloat16)
-        for name, n, fn in (("qkv", (heads + 2 * kv_heads) * d, triton_gemm.gemm), ("gate_up", 2 * inter, triton_gemm.gated_gemm)):
+        for name, n in (("qkv", (heads + 2 * kv_heads) * d), ("gate_up", 2 * inter)):
             w = torch.randn(n, hidden, device=dev, dtype=torch.bfloat16) * 0.02
             nbytes = (n * hidden + b * hidden + b * n) * 2
             best = None
@@ -128,7 +127,7 @@ def launches(batches, hidden=1024, heads=16, kv_heads=8, d=128, inter=3072) -> N
                 except Exception as exc:  # a config that does not compile (shared memory)
                     print(f"{b:>5} {name:>8} {bn:>7} {bk:>7} {st:>6}   failed: {type(exc).__name__}")
                     continue
-                mark = "*" if (bn, bk, st) == ((32, 64, 4) if name == "qkv" else (32, 64, 4)) else ""
+                mark = "*" if (bn, bk, st) == (32, 64, 4) else ""  # both GEMMs' launch in the engine
                 print(f"{b:>5} {name:>8} {bn:>7} {bk:>7} {st:>6} {t:>8.1f} {nbytes / t / 1e6:>6.2f} {mark}")
                 if best is None or t < best[0]:
                     best = (t, (bn, bk, st))

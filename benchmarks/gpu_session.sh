@@ -28,8 +28,8 @@
 #   bash benchmarks/gpu_session.sh s11b     # as s11a, with the final code (the default quantisers only)
 #   bash benchmarks/gpu_session.sh s11c     # engine at batch 256 after HF, without HF before it, and without HF at all (the session-10 gap)
 #   bash benchmarks/gpu_session.sh s12a     # rollout GPU tests; prologue + attention vs the fused kernel alone; engine with / without overlapped windows and the fused attention
-#   bash benchmarks/gpu_session.sh s12b     # rollout GPU tests; the paged decode kernel by launch (pipelined loop, tl.dot or not); engine by attention launch, folded norms or not
-#   bash benchmarks/gpu_session.sh s12c     # rollout bench with HF; engine without overlap, with folded norms; rollout GPU tests
+#   bash benchmarks/gpu_session.sh s12b     # (ran with the pipelined attention loop and folded norms, both removed since: their flags are gone) attention launches; engine by launch
+#   bash benchmarks/gpu_session.sh s12c     # rollout bench with HF; engine without overlap, with folded norms (--fold-norms is gone since); rollout GPU tests
 #   bash benchmarks/gpu_session.sh s10d     # rollout GPU tests; rollout bench (PDL at <= 64 rows, the default) with HF, and --no-pdl
 #   bash benchmarks/gpu_session.sh fp8check   # the FP8 quantiser / module-gradient / path tests under the default (fused activation) kernels
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)

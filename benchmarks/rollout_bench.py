@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--no-overlap", action="store_true", help="engine: read each decode window before launching the next")
     ap.add_argument("--no-fused-attention", action="store_true", help="engine: the q/k/v prologue as its own kernel, not inside decode attention")
     ap.add_argument("--attention", default=None, help="engine: the paged decode kernel's launch, BLOCK_N,WARPS "
-                    "(default: triton_decode.decode_launch)")
+                    "(default: triton_decode.BLOCK_N, NUM_WARPS)")
     ap.add_argument("--no-fused", action="store_true", help="engine: without the fused Triton layer kernels (triton_fused.py)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default); > 0 samples (top-k/top-p off)")
     args = ap.parse_args()

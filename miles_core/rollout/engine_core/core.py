@@ -409,13 +409,12 @@ class EngineCore:
 
     def _launch_ahead(self, w: _Window) -> _Window | None:
         """The next window of ``w``'s requests, launched before ``w`` is read, when the batch would be
-        the same one anyway: overlap on, a device path with no host round trip per step, nothing
-        waiting to be admitted, every row still running and not ending by length inside ``w``, and
-        pages for the new window free without preempting anyone."""
+        the same one anyway: overlap on, no host round trip per step (the trainer's logprobs op),
+        nothing waiting to be admitted, every row still running and not ending by length inside ``w``,
+        and pages for the new window free without preempting anyone. (``w`` came from the device path:
+        the CPU decode window never runs ahead.)"""
         sch, reqs, k = self.scheduler, w.reqs, self.cfg.decode_steps
         if not self.cfg.overlap_windows or self.logprobs_op is not None or sch.waiting or self._pending:
-            return None
-        if self.cfg.cpu_decode_window and cpu_decode.supported(self.runner):
             return None
         if len(sch.running) != len(reqs) or any(r.finished for r in reqs):
             return None

@@ -91,9 +91,9 @@ class ModelRunner:
         # flash varlen attention for prefills of fresh prompts (bf16/fp16 on the fast GPU path), or None
         half = self.dtype in (torch.bfloat16, torch.float16)
         self.varlen = causal_varlen() if self.use_triton and half else None
-        # the paged decode kernel's launch (block_n, num_warps, pipe, mma; splits: num_splits) when set, else
-        # triton_decode.decode_launch's choice; benchmarks set it to compare launches in one process
-        self.attn_launch: dict | None = None
+        # keywords of the paged decode kernel's launch (block_n, num_warps) over triton_decode's defaults;
+        # benchmarks set it to compare launches in one process
+        self.attn_launch: dict = {}
 
     PDL_ROWS = 64
 
@@ -333,7 +333,7 @@ class ModelRunner:
             attend = lambda q, kc, vc: paged_attention(q, kc, vc, meta, p)  # noqa: E731
         elif self.use_triton:
             splits = triton_decode.num_splits(bs, self.kv_heads, self.num_sms)
-            launch = self.attn_launch or triton_decode.decode_launch(bs)
+            launch = self.attn_launch
             attend = lambda q, kc, vc: triton_decode.paged_decode(q, kc, vc, bt, ctx, p, splits, pdl=self.pdl_at(bs), **launch)  # noqa: E731
         elif self._window is not None:
             attend = self._window.attend

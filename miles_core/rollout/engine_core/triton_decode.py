@@ -172,11 +172,11 @@ if triton is not None:
         tl.store(LSE + b * s_lb + heads * s_lh + s, lse, mask=hmask)
 
 
-def decode_launch(batch: int) -> dict:
-    """The engine's launch of the paged decode kernel for a step of ``batch`` rows (keywords of
-    :func:`paged_decode`): 64-token blocks over 4 warps, the fastest of 36 launches at batch 64 and 256
-    on the H200 (benchmarks/decode_parts.py --parts attention, 2026-12-05: 20.3 / 70.1 µs per layer)."""
-    return dict(block_n=64, num_warps=4)
+# The launch the engine uses (paged_decode's defaults): 64-token blocks over 4 warps, the fastest of 36
+# launches at batch 64 and 256 on the H200 (benchmarks/decode_parts.py --parts attention, 2026-12-05:
+# 20.3 / 70.1 µs per layer).
+BLOCK_N = 64
+NUM_WARPS = 4
 
 
 def num_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
@@ -184,16 +184,27 @@ def num_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
     return max(1, min(32, math.ceil(2 * num_sms / max(1, batch * kv_heads))))
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int, splits: int, block_n: int = 64,
-                 num_warps: int = 4, num_stages: int = 3, pdl: bool = False):
+def _split_buffers(b: int, h: int, splits: int, d: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' outputs: one split writes the attention output in ``dtype`` directly; several write fp32
+    partials [B, H, splits, D] and their log-sum-exps [B, H, splits], merged by :func:`_merged`."""
+    partial = torch.empty(b, h, splits, d, device=device, dtype=dtype if splits == 1 else torch.float32)
+    return partial, torch.empty(b, h, splits, device=device, dtype=torch.float32)
+
+
+def _merged(partial: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, pdl: bool) -> torch.Tensor:
+    if partial.shape[2] == 1:
+        return partial[:, :, 0]
+    return triton_fused.merge_splits(partial, lse, dtype, pdl)
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int, splits: int, block_n: int = BLOCK_N,
+                 num_warps: int = NUM_WARPS, num_stages: int = 3, pdl: bool = False):
     """``q`` [B, H, D] -> [B, H, D] in q's dtype. See the module docstring. ``pdl``: launched (with the merge)
     as programmatic dependents (:mod:`.triton_pdl`)."""
     b, h, d = q.shape
     hk = k_cache.shape[1]
     rep = h // hk
-    # one split: the kernel writes the output in q's dtype directly; several: fp32 partials, merged
-    partial = torch.empty(b, h, splits, d, device=q.device, dtype=q.dtype if splits == 1 else torch.float32)
-    lse = torch.empty(b, h, splits, device=q.device, dtype=torch.float32)
+    partial, lse = _split_buffers(b, h, splits, d, q.dtype, q.device)
     _decode_kernel[(b, hk, splits)](
         q, k_cache, v_cache, block_tables, ctx_lens, partial, lse, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
@@ -201,13 +212,11 @@ def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int, s
         PAGE=block_size, D=d, REP=rep, REP_P=max(16, triton.next_power_of_2(rep)), BLOCK_N=block_n, SPLITS=splits,
         IEEE=k_cache.dtype == torch.float32, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **triton_pdl.launch_opts(pdl),
     )
-    if splits == 1:
-        return partial[:, :, 0]
-    return triton_fused.merge_splits(partial, lse, q.dtype, pdl)
+    return _merged(partial, lse, q.dtype, pdl)
 
 
 def paged_decode_qkv(qkv, num_heads: int, q_weight, k_weight, eps: float, positions, cos_table, sin_table, k_cache, v_cache,
-                     block_tables, ctx_lens, block_size: int, splits: int, block_n: int = 64, num_warps: int = 4,
+                     block_tables, ctx_lens, block_size: int, splits: int, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
                      num_stages: int = 3, pdl: bool = False):
     """:func:`.triton_fused.qkv_prologue` (decode form: slots from the block tables) followed by
     :func:`paged_decode`, in one kernel: ``qkv`` [B, (H + 2 Hk) D] -> attention output [B, H, D].
@@ -216,8 +225,7 @@ def paged_decode_qkv(qkv, num_heads: int, q_weight, k_weight, eps: float, positi
     b = qkv.shape[0]
     hk, d = k_cache.shape[1], k_cache.shape[2]
     rep = num_heads // hk
-    partial = torch.empty(b, num_heads, splits, d, device=qkv.device, dtype=qkv.dtype if splits == 1 else torch.float32)
-    lse = torch.empty(b, num_heads, splits, device=qkv.device, dtype=torch.float32)
+    partial, lse = _split_buffers(b, num_heads, splits, d, qkv.dtype, qkv.device)
     norm = q_weight is not None
     dummy = positions  # an unread pointer
     _decode_qkv_kernel[(b, hk, splits)](
@@ -229,6 +237,4 @@ def paged_decode_qkv(qkv, num_heads: int, q_weight, k_weight, eps: float, positi
         SPLITS=splits, IEEE=k_cache.dtype == torch.float32, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
         **triton_pdl.launch_opts(pdl),
     )
-    if splits == 1:
-        return partial[:, :, 0]
-    return triton_fused.merge_splits(partial, lse, qkv.dtype, pdl)
+    return _merged(partial, lse, qkv.dtype, pdl)
