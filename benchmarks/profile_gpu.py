@@ -60,6 +60,41 @@ def kernel_summary(prof, per: int, label: str) -> None:
     print(f"{'total':<20} {total / per:>16.1f} {sum(r[1] for r in rows.values()) / per:>20.1f}")
 
 
+def device_kernels(prof) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of every kernel the profiler saw on the device, by start time."""
+    out = []
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0:
+            out.append((e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3, e.name()))
+    return sorted(out)
+
+
+def timeline(kernels: list[tuple[float, float, str]], per: int, label: str, top: int = 8) -> None:
+    """GPU busy time against the span from the first kernel to the last, per ``label``, and where the idle
+    time falls: the gaps between a kernel's end (the latest end so far) and the next start, summed by the
+    (kernel before, kernel after) pair. Kernels that overlap (PDL) count once in the busy time."""
+    if not kernels:
+        return
+    busy = idle = 0.0
+    end = kernels[0][0]
+    prev = "(start)"
+    gaps: dict[tuple[str, str], list[float]] = {}
+    for s, e, name in kernels:
+        if s > end:
+            idle += s - end
+            g = gaps.setdefault((prev[:40], name[:40]), [0.0, 0])
+            g[0] += s - end
+            g[1] += 1
+        busy += max(0.0, e - max(s, end))
+        if e >= end:
+            end, prev = e, name
+    span = end - kernels[0][0]
+    print(f"\nGPU timeline: span {span / per:.1f} µs per {label}, busy {busy / per:.1f} ({busy / span:.1%}), idle {idle / per:.1f}")
+    print(f"{'idle µs per ' + label:>18} {'gaps':>6}  kernel before -> kernel after")
+    for (a, b), (t, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{t / per:>18.1f} {n:>6}  {a} -> {b}")
+
+
 def _timed(fn, dev):
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     py = cProfile.Profile()
@@ -111,6 +146,7 @@ def engine(args, dev) -> None:
     _tables(prof, py, dt, "engine")
     if dev.type == "cuda":
         kernel_summary(prof, args.new_tokens, "step")
+        timeline(device_kernels(prof), args.new_tokens, "step")
 
 
 def train(args, dev) -> None:
