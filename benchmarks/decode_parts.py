@@ -199,12 +199,43 @@ def splitk(batches, hidden=1024, heads=16, kv_heads=8, d=128, inter=3072, names=
                           f"(split, block_n, block_k) = {r[2]}")
 
 
+def sampler(batches, vocab=151936) -> None:
+    """The sampler's fused pass (triton_sample.sample_rows, greedy and sampled) over bf16 logits, by launch:
+    vocabulary chunks per row, block, warps; the engine's launch (num_chunks, BLOCK, 8 warps) is marked."""
+    from miles_core.rollout.engine_core import triton_sample
+
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    print(f"\nsampler (bf16 logits, vocab {vocab}; µs per step, TB/s of the logits read)")
+    print(f"{'batch':>5} {'mode':>7} {'chunks':>6} {'block':>6} {'warps':>5} {'µs':>8} {'TB/s':>6}")
+    for b in batches:
+        z = torch.randn(b, vocab, device=dev, dtype=torch.bfloat16)
+        temp = torch.full((b,), 0.8, device=dev)
+        seeds = torch.arange(b, device=dev, dtype=torch.int64)
+        ctr = torch.zeros(b, device=dev, dtype=torch.int64)
+        default = triton_sample.num_chunks(b, vocab, sms)
+        for sampled in (False, True):
+            t_in = temp if sampled else torch.zeros_like(temp)
+            ref = triton_sample.sample_rows(z, t_in, None, seeds, ctr, sampled)
+            best = None
+            for c, blk, w in itertools.product(sorted({default, 16, 32, 64}), (1024, 2048, 4096), (4, 8)):
+                got = triton_sample.sample_rows(z, t_in, None, seeds, ctr, sampled, chunks=c, block=blk, num_warps=w)
+                ok = torch.equal(got[0], ref[0])
+                t = graph_time(lambda: triton_sample.sample_rows(z, t_in, None, seeds, ctr, sampled, chunks=c, block=blk, num_warps=w), calls=8)
+                mark = " (engine)" if (c, blk, w) == (default, triton_sample.BLOCK, 8) else ""
+                print(f"{b:>5} {'sampled' if sampled else 'greedy':>7} {c:>6} {blk:>6} {w:>5} {t:>8.1f} {z.numel() * 2 / t / 1e6:>6.2f}{mark}"
+                      + ("" if ok else "  TOKENS DIFFER"))
+                if ok and (best is None or t < best[0]):
+                    best = (t, (c, blk, w))
+            print(f"  best at batch {b}, {'sampled' if sampled else 'greedy'}: {best[0]:.1f} µs, (chunks, block, warps) = {best[1]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--attention-batches", default="64", help="batches of the attention sweep")
-    ap.add_argument("--parts", default="gemms,splitk,attention", help="of gemms, splitk, attention, prologue, launches")
+    ap.add_argument("--parts", default="gemms,splitk,attention", help="of gemms, splitk, attention, prologue, launches, sampler")
     ap.add_argument("--splitk-shapes", default="o,down", help="of o, down, qkv, gate_up")
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
@@ -218,6 +249,8 @@ def main() -> None:
         launches(batches)
     if "prologue" in parts:
         prologue(batches, a.ctx)
+    if "sampler" in parts:
+        sampler(batches)
     if "attention" in parts:
         attention([int(x) for x in a.attention_batches.split(',')], a.ctx)
 

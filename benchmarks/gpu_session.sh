@@ -30,7 +30,7 @@
 #   bash benchmarks/gpu_session.sh s12a     # rollout GPU tests; prologue + attention vs the fused kernel alone; engine with / without overlapped windows and the fused attention
 #   bash benchmarks/gpu_session.sh s12b     # (ran with the pipelined attention loop and folded norms, both removed since: their flags are gone) attention launches; engine by launch
 #   bash benchmarks/gpu_session.sh s12c     # rollout bench with HF; engine without overlap, with folded norms (--fold-norms is gone since); rollout GPU tests
-#   bash benchmarks/gpu_session.sh s13a     # rollout bench with HF (final session-12 code); engine profiles (kinds, GPU timeline) at batch 64 and 1
+#   bash benchmarks/gpu_session.sh s13a     # rollout bench with HF (final session-12 code); engine profiles (kinds, GPU timeline) at batch 64 and 1; sampler launches
 #   bash benchmarks/gpu_session.sh s10d     # rollout GPU tests; rollout bench (PDL at <= 64 rows, the default) with HF, and --no-pdl
 #   bash benchmarks/gpu_session.sh fp8check   # the FP8 quantiser / module-gradient / path tests under the default (fused activation) kernels
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
@@ -182,7 +182,8 @@ print(min(t)[1].strip('()').replace(' ', '') if t else '')")
     s13a)
       OUT= timeout 150 python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench_hf.log" | tail -6
       timeout 120 python3 benchmarks/profile_gpu.py engine --batch 64 2>&1 | tee "$OUT/profile_engine64.log" | grep -A40 "kernel kind"
-      timeout 100 python3 benchmarks/profile_gpu.py engine --batch 1 2>&1 | tee "$OUT/profile_engine1.log" | grep -A40 "kernel kind" ;;
+      timeout 100 python3 benchmarks/profile_gpu.py engine --batch 1 2>&1 | tee "$OUT/profile_engine1.log" | grep -A40 "kernel kind"
+      timeout 120 python3 benchmarks/decode_parts.py --parts sampler --batches 1,64,256 2>&1 | tee "$OUT/decode_parts_sampler.log" | grep -E "best|engine" ;;
     s12a)
       timeout 200 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -4
       timeout 60 python3 benchmarks/decode_parts.py --parts prologue --batches 1,64,256 2>&1 | tee "$OUT/decode_parts_prologue.log" | tail -5

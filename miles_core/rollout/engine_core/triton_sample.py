@@ -136,8 +136,10 @@ def num_chunks(batch: int, vocab: int, num_sms: int) -> int:
 
 
 def sample_rows(z: torch.Tensor, temperature: torch.Tensor, lo: torch.Tensor | None, seeds: torch.Tensor, counters: torch.Tensor,
-                sampled: bool, num_sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """See the module docstring; ``sampled=False`` when every row is greedy (no noise computed)."""
+                sampled: bool, num_sms: int | None = None, chunks: int | None = None, block: int = BLOCK,
+                num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """See the module docstring; ``sampled=False`` when every row is greedy (no noise computed). ``chunks``,
+    ``block``, ``num_warps``: the launch (default: :func:`num_chunks`'s, ``BLOCK``, 8 warps); benchmarks compare them."""
     b, vocab = z.shape
     z = z if z.stride(-1) == 1 else z.contiguous()
     tok = torch.empty(b, dtype=torch.int64, device=z.device)
@@ -146,13 +148,13 @@ def sample_rows(z: torch.Tensor, temperature: torch.Tensor, lo: torch.Tensor | N
         return tok, lp
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(z.device).multi_processor_count if z.is_cuda else 4
-    c = num_chunks(b, vocab, num_sms)
-    chunk = -(-(-(-vocab // c)) // BLOCK) * BLOCK  # a whole number of blocks
+    c = chunks or num_chunks(b, vocab, num_sms)
+    chunk = -(-(-(-vocab // c)) // block) * block  # a whole number of blocks
     c = -(-vocab // chunk)
     f32 = dict(dtype=torch.float32, device=z.device)
     pm, pl, pb, ps = (torch.empty(b, c, **f32) for _ in range(4))
     pi = torch.empty(b, c, dtype=torch.int32, device=z.device)
     _sample_chunk_kernel[(b, c)](z, temperature, lo if lo is not None else temperature, seeds, counters, pm, pl, pb, ps, pi,
-                                 vocab, z.stride(0), chunk, SAMPLED=sampled, HAS_LO=lo is not None, C=c, BLOCK=BLOCK, num_warps=8)
+                                 vocab, z.stride(0), chunk, SAMPLED=sampled, HAS_LO=lo is not None, C=c, BLOCK=block, num_warps=num_warps)
     _sample_merge_kernel[(b,)](pm, pl, pb, ps, pi, tok, lp, C=c, CP=triton.next_power_of_2(c), num_warps=1)
     return tok, lp
