@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--no-pdl", action="store_true", help="engine: no programmatic dependent launch / weight prefetch in the decode step")
     ap.add_argument("--no-prefetch", action="store_true", help="engine: PDL without the GEMMs' L2 weight prefetch")
     ap.add_argument("--no-overlap", action="store_true", help="engine: read each decode window before launching the next")
+    ap.add_argument("--no-graph-sampling", action="store_true", help="engine: sample outside the decode step's CUDA graph")
     ap.add_argument("--no-fused-attention", action="store_true", help="engine: the q/k/v prologue as its own kernel, not inside decode attention")
     ap.add_argument("--attention", default=None, help="engine: the paged decode kernel's launch, BLOCK_N,WARPS "
                     "(default: triton_decode.BLOCK_N, NUM_WARPS)")
@@ -149,7 +150,7 @@ def main() -> None:
                        max_batched_tokens=16384, fused_kernels=not args.no_fused, splitk_gemm=not args.no_splitk,
                        gated_gemm=not args.no_gated, pdl=not args.no_pdl,
                        pdl_prefetch=not args.no_prefetch, overlap_windows=not args.no_overlap,
-                       fused_attention=not args.no_fused_attention)
+                       fused_attention=not args.no_fused_attention, graph_sampling=not args.no_graph_sampling)
     if args.decode_steps:
         cfg.decode_steps = args.decode_steps
     elif dev.type == "cpu":
@@ -193,7 +194,7 @@ def main() -> None:
         print(f"roofline at {hbm_bytes_per_s(device_name) / 1e12:.2f} TB/s of HBM bandwidth")
     print(f"engine: triton decode {core.runner.use_triton}, fused layer kernels {core.runner.fused_kernels}, split-K {core.runner.splitk}, "
           f"gated {core.runner.gated}, fused attention {cfg.fused_attention}, attention launch {core.runner.attn_launch or 'default'}, PDL {core.runner.pdl} (prefetch {cfg.pdl_prefetch}), "
-          f"cuda graphs {core.runner.use_graphs}, decode steps/sync {cfg.decode_steps}, overlapped windows {cfg.overlap_windows}, kernels {ops}")
+          f"cuda graphs {core.runner.use_graphs} (sampling inside {cfg.graph_sampling}), decode steps/sync {cfg.decode_steps}, overlapped windows {cfg.overlap_windows}, kernels {ops}")
     head = f"{'batch':>6} | {'engine tok/s':>12} | {'HF tok/s':>10} | {'speedup':>8} | {'roofline':>8} | identical"
     print(head + "\n" + "-" * len(head))
     for r in rows:

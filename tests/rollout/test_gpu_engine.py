@@ -163,3 +163,36 @@ def test_overlapped_windows_match_window_by_window_on_gpu():
     assert off[1].finish_reason == "stop"
     for a, b in zip(off, on):
         assert a.output_ids == b.output_ids and a.logprobs == b.logprobs
+
+
+def test_step_graphs_with_sampling_match_the_step_by_step_path_on_gpu():
+    """A whole decode step (sampling, the next token, position, context, counter) as one graph replay
+    (``graph_sampling``) against sampling outside the graph: the same tokens (greedy and seeded sampled rows,
+    a stop token inside a window, overlapped windows), logprobs within 1e-5 (the sampler's reductions may run
+    over a padded bucket). A window with a top-p row keeps the sampler outside the graph."""
+    m = model(torch.bfloat16, qk_norm=True)
+    _, greedy = run(m, graph_sampling=False)
+    stop = greedy[1].output_ids[9]
+
+    def go(params, **cfg):
+        core = EngineCore(m, EngineConfig(block_size=16, decode_steps=4, num_blocks=256, max_model_len=512, **cfg))
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(1, 512, (n,), generator=g).tolist() for n in (5, 40, 17, 100, 3, 64)]
+        reqs = [core.add_request(p, sp)[0] for p, sp in zip(prompts, params)]
+        while core.has_unfinished():
+            core.step()
+        return core, reqs
+
+    params = [SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True),
+              SamplingParams(max_new_tokens=40, temperature=0, stop_token_ids=[stop]),
+              SamplingParams(max_new_tokens=37, temperature=1.0, seed=3)] * 2
+    off_core, off = go(params, graph_sampling=False)
+    on_core, on = go(params)
+    assert not off_core.runner.step_graphs and on_core.runner.step_graphs and on_core.windows_ahead > 0
+    assert off[1].finish_reason == "stop" and on[1].finish_reason == "stop"
+    for a, b in zip(off, on):
+        assert a.output_ids == b.output_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    top_p = [SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=5)] + params[:5]
+    core, _ = go(top_p)
+    assert not core.runner.step_graphs and core.runner.graphs

@@ -117,9 +117,9 @@ for dtype in (torch.float32, torch.bfloat16):
     tok, lp, _ = sample(logits, st, counters)
     temp = torch.where(st.temperature <= 0, torch.ones_like(st.temperature), st.temperature)
     lo = _threshold(logits.float() / temp[:, None], st)
-    for sms in (1, 4, 200):  # one vocabulary chunk per row, a few, one per 2048-token block
-        got, glp = ts.sample_rows(logits, st.temperature, lo, st.seeds, counters, True, num_sms=sms)
-        assert got.tolist() == tok.tolist(), (dtype, sms, got.tolist(), tok.tolist())
+    for chunks in (1, 2, 3):  # one vocabulary chunk per row, a few, one per 2048-token block
+        got, glp = ts.sample_rows(logits, st.temperature, lo, st.seeds, counters, True, chunks=chunks, block=2048)
+        assert got.tolist() == tok.tolist(), (dtype, chunks, got.tolist(), tok.tolist())
         assert (glp - lp).abs().max() < 1e-5, (glp - lp).abs().max()
     # no filter (lo None): the rows that use none agree with the torch sampler
     plain = torch.tensor([p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0 for p in params])
@@ -135,5 +135,45 @@ print("OK")
     if "SKIP" in res.stdout:
         import pytest
 
+        pytest.skip("triton is not installed")
+    assert "OK" in res.stdout
+
+
+def test_triton_sampler_advances_the_decode_state_in_interpreter():
+    """With ``Advance`` (a decode step captured whole in a CUDA graph) the merge kernel writes each real
+    row's token and logprob into its window column ``counters - counters0``, and moves that row's token,
+    position, context length and counter on by one; a padding row (context 0) keeps its state. Two steps
+    in a row, under the interpreter."""
+    code = r"""
+import torch
+from miles_core.rollout.engine_core import triton_sample as ts
+if not ts.available():
+    print("SKIP"); raise SystemExit
+torch.manual_seed(0)
+b, k, vocab = 4, 3, 5000
+temp = torch.tensor([0.0, 1.0, 0.7, 0.0])
+seeds = torch.tensor([5, 6, 7, 8])
+counters = torch.tensor([10, 0, 3, 0])
+adv = ts.Advance(tokens=torch.tensor([1, 2, 3, 0]), positions=torch.tensor([40, 50, 60, 0]),
+                 ctx_lens=torch.tensor([41, 51, 61, 0], dtype=torch.int32), counters0=counters.clone(),
+                 out_tokens=torch.full((b, k), -1), out_logprobs=torch.zeros(b, k))
+for step in range(2):
+    z = torch.randn(b, vocab)
+    ref_tok, ref_lp = ts.sample_rows(z, temp, None, seeds, counters.clone(), True)
+    tok, lp = ts.sample_rows(z, temp, None, seeds, counters, True, advance=adv)
+    assert tok.tolist() == ref_tok.tolist() and torch.equal(lp, ref_lp)
+    assert adv.out_tokens[:3, step].tolist() == tok[:3].tolist(), (step, adv.out_tokens)
+    assert torch.equal(adv.out_logprobs[:3, step], lp[:3])
+    assert adv.tokens[:3].tolist() == tok[:3].tolist()
+    assert adv.positions.tolist() == [41 + step, 51 + step, 61 + step, 0]
+    assert adv.ctx_lens.tolist() == [42 + step, 52 + step, 62 + step, 0]
+    assert counters.tolist() == [11 + step, 1 + step, 4 + step, 0]
+assert adv.out_tokens[3].tolist() == [-1, -1, -1] and adv.tokens[3].item() == 0 and adv.out_tokens[:, 2].tolist() == [-1] * 4
+print("OK")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    if "SKIP" in res.stdout:
         pytest.skip("triton is not installed")
     assert "OK" in res.stdout

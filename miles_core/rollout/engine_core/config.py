@@ -21,6 +21,9 @@ class EngineConfig:
     # host's bookkeeping overlaps the device's work (core.py); off: each window is read before the next starts
     overlap_windows: bool = True
     cuda_graphs: bool = True  # capture decode in CUDA graphs (GPU only)
+    # with cuda_graphs and Triton: the sampler (no top-k/top-p/min-p filter, no top logprobs) and the step's
+    # input updates captured in the decode step's graph, so a step is one replay (runner.decode_sample)
+    graph_sampling: bool = True
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
     triton_decode: bool = True  # the Triton paged-decode kernel on GPU (falls back to torch)
     fused_kernels: bool = True  # GPU: the fused Triton layer kernels of triton_fused.py (with triton_decode)

@@ -373,9 +373,14 @@ class EngineCore:
         run.block_tables[:b] = self._tables(reqs)
         st = self._sampling_tensors(reqs)
         max_ctx = min(-(-(max(r.num_tokens for r in reqs) + ahead + k) // p) * p, run.max_blocks * p)
+        tops, routes = [], []
+        if self.logprobs_op is None and run.samples_in_graph(st):  # each step one graph replay, sampling included
+            run.begin_sampled_window(b, st, counters)
+            for _ in range(k):
+                run.decode_sample(b, st.any_sampled)
+            return self._window(reqs, k, counters, run.window_tokens[:b, :k], run.window_logprobs[:b, :k], tops, routes)
         out_tok = torch.empty(b, k, dtype=torch.long, device=self.device)
         out_lp = torch.empty(b, k, dtype=torch.float32, device=self.device)
-        tops, routes = [], []
         run.begin_window(b, k)
         for j in range(k):
             logits, routed = run.decode(b, max_ctx, j)
@@ -391,6 +396,10 @@ class EngineCore:
             run.positions[:b] += 1
             run.ctx_lens[:b] += 1
         run.end_window()
+        return self._window(reqs, k, counters, out_tok, out_lp, tops, routes)
+
+    def _window(self, reqs: list[Request], k: int, counters: torch.Tensor, out_tok, out_lp, tops: list, routes: list) -> _Window:
+        """A launched window: its outputs' copies to the host enqueued behind its steps, and an event after them."""
         host = _to_host([out_tok, out_lp, *(t for top in tops for t in (top.values, top.indices)), *routes])
         done = None
         if self.device.type == "cuda":

@@ -40,7 +40,7 @@ from torch import nn
 
 from miles_core.kernels.varlen import causal_varlen
 from miles_core.models.decoder import MLP, Attention, RMSNorm
-from miles_core.rollout.engine_core import triton_decode, triton_fused, triton_gemm, triton_pdl
+from miles_core.rollout.engine_core import triton_decode, triton_fused, triton_gemm, triton_pdl, triton_sample
 
 from miles_core.rollout.engine_core.attention import AttnBatch, decode_attention_torch, gather_slots, paged_attention
 from miles_core.rollout.engine_core.config import EngineConfig
@@ -75,6 +75,15 @@ class ModelRunner:
         self.ctx_lens = torch.zeros(g, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(g, self.max_blocks, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # a whole step in one graph (decode_sample): per row the sampling temperature and seed, the output
+        # counter (the position its draw hashes) and its value at the window's start, the window's outputs
+        self.step_temperature = torch.zeros(g, dtype=torch.float32, device=device)
+        self.step_seeds = torch.zeros(g, dtype=torch.long, device=device)
+        self.step_counters = torch.zeros(g, dtype=torch.long, device=device)
+        self.step_counters0 = torch.zeros(g, dtype=torch.long, device=device)
+        self.window_tokens = torch.zeros(g, cfg.decode_steps, dtype=torch.long, device=device)
+        self.window_logprobs = torch.zeros(g, cfg.decode_steps, dtype=torch.float32, device=device)
+        self.step_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._window: DecodeWindow | None = None
         self.last_hidden: torch.Tensor | None = None  # exact_attention: final hidden states of the last logits
         self.graph_pool = None
@@ -162,12 +171,14 @@ class ModelRunner:
     def free_kv(self) -> None:
         self.kv = None
         self.graphs.clear()
+        self.step_graphs.clear()
         self.graph_pool = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def drop_graphs(self) -> None:
         self.graphs.clear()
+        self.step_graphs.clear()
         self.graph_pool = None
 
     def _triton_selfcheck(self) -> bool:
@@ -397,21 +408,68 @@ class ModelRunner:
         graph.replay()
         return logits[:bs], None
 
+    # ------------------------------------------------------------------ a whole step in one graph
+    def samples_in_graph(self, st) -> bool:
+        """Whether a window with these sampling tensors (:class:`.sampler.SamplingTensors`) can run as
+        :meth:`decode_sample` replays: graphs and the Triton sampler on, no top-k/top-p/min-p filter (its
+        threshold is found in torch) and no top logprobs."""
+        return (self.use_graphs and self.cfg.graph_sampling and triton_sample.available() and st.max_top_logprobs == 0
+                and not st.any_top_p_or_k and not st.any_min_p)
+
+    def begin_sampled_window(self, bs: int, st, counters: torch.Tensor) -> None:
+        """Load the first ``bs`` rows' sampling state before a window of :meth:`decode_sample` steps (the
+        bucket's padding rows: greedy, counter 0). ``counters`` [bs]: each row's output position."""
+        end = self._bucket(bs)
+        for buf, val in ((self.step_temperature, st.temperature), (self.step_seeds, st.seeds), (self.step_counters, counters),
+                         (self.step_counters0, counters)):
+            buf[:bs] = val
+            buf[bs:end] = 0
+
+    def decode_sample(self, bs: int, sampled: bool) -> None:
+        """One decode step of the first ``bs`` rows, sampling included, as one graph replay: the token and
+        logprob of step ``j`` of the window land in column ``j`` of ``window_tokens`` / ``window_logprobs``,
+        and ``tokens``, ``positions``, ``ctx_lens`` move on for the next step (:class:`.triton_sample.Advance`).
+        ``sampled``: some row has a temperature > 0 (else the sampler skips the noise)."""
+        key = (self._bucket(bs), sampled)
+        if key not in self.step_graphs:
+            self._capture_step(*key)
+        self.step_graphs[key].replay()
+
+    def _sample_step(self, bs: int, sampled: bool, advance: triton_sample.Advance, counters: torch.Tensor) -> None:
+        logits, _ = self._decode_body(bs, self.max_blocks * self.block_size)
+        triton_sample.sample_rows(logits, self.step_temperature[:bs], None, self.step_seeds[:bs], counters, sampled, advance=advance)
+
+    def _capture_step(self, bs: int, sampled: bool) -> None:
+        rows = slice(0, bs)
+        real = triton_sample.Advance(self.tokens[rows], self.positions[rows], self.ctx_lens[rows], self.step_counters0[rows],
+                                     self.window_tokens[rows], self.window_logprobs[rows])
+        # the warm-up runs (they compile the kernels) move copies of the state on, not the state itself
+        scratch = triton_sample.Advance(*(t.clone() for t in (real.tokens, real.positions, real.ctx_lens, real.counters0,
+                                                                real.out_tokens, real.out_logprobs)))
+        counters = self.step_counters[rows]
+        graph, _ = self._captured(lambda warm: self._sample_step(bs, sampled, scratch if warm else real,
+                                                                counters.clone() if warm else counters))
+        self.step_graphs[(bs, sampled)] = graph
+
     def _capture(self, bs: int) -> None:
         full = self.max_blocks * self.block_size
+        self.graphs[bs] = self._captured(lambda warm: self._decode_body(bs, full)[0])
+
+    def _captured(self, body) -> tuple[torch.cuda.CUDAGraph, object]:
+        """Run ``body(True)`` twice on a side stream (it compiles the kernels), then capture ``body(False)`` in a
+        graph of the shared pool. Returns (the graph, what the captured call returned: its static output)."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._decode_body(bs, full)
+                body(True)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self.graph_pool is None:
             self.graph_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.graph_pool):
-            logits, _ = self._decode_body(bs, full)
-        self.graphs[bs] = (graph, logits)
-
+            out = body(False)
+        return graph, out
 
 def _fuse_rows(*linears: nn.Linear) -> torch.Tensor:
     """Concatenate the weights [out_i, in] into one [sum out_i, in] tensor and rebind each weight as

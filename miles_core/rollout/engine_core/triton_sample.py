@@ -24,11 +24,17 @@ state ``r = row_hash(seed, counter)`` (:func:`.sampler.row_hash`) is computed in
 the seeds and output positions, in uint32 arithmetic (the torch version masks int64 products to
 32 bits: the same values).
 
+With :class:`Advance` the merge kernel also moves the decode step on (the next input token, position,
+context length and output counter of each row, and the window's output columns), so that a whole decode
+step, sampling included, replays as one CUDA graph (:meth:`.runner.ModelRunner.decode_sample`).
+
 Shapes: ``z`` [B, V] (any float dtype, unit last stride); ``temperature`` [B] fp32; ``lo`` [B] fp32
 or None (no filter); ``seeds``, ``counters`` [B] int64. Returns (tokens [B] int64, logprobs [B] fp32).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -110,7 +116,8 @@ if triton is not None:
         tl.store(PI + o, best_i)
 
     @triton.jit
-    def _sample_merge_kernel(PM, PL, PB, PS, PI, TOK, LP, C: tl.constexpr, CP: tl.constexpr):
+    def _sample_merge_kernel(PM, PL, PB, PS, PI, TOK, LP, TOKENS, POS, CTX, CTR, CTR0, OUT_TOK, OUT_LP, s_out, KMAX,
+                             C: tl.constexpr, CP: tl.constexpr, ADVANCE: tl.constexpr):
         b = tl.program_id(0)
         c = tl.arange(0, CP)
         cmask = c < C
@@ -123,32 +130,72 @@ if triton is not None:
         # the earliest chunk holding the maximum score; a row whose every score is -inf takes chunk 0
         hit = tl.min(tl.where(best == tl.max(best, 0), c, CP), 0)
         k = tl.where(hit < C, hit, 0)
-        tl.store(TOK + b, tl.load(PI + b * C + k).to(tl.int64))
-        tl.store(LP + b, tl.load(PS + b * C + k) - lse)
+        tok = tl.load(PI + b * C + k).to(tl.int64)
+        lp = tl.load(PS + b * C + k) - lse
+        tl.store(TOK + b, tok)
+        tl.store(LP + b, lp)
+        if ADVANCE:  # the decode step's state moves to the next token (rows with context 0 are padding)
+            ctx = tl.load(CTX + b)
+            if ctx > 0:
+                ctr = tl.load(CTR + b)
+                j = ctr - tl.load(CTR0 + b)  # the token's column in the window's outputs
+                keep = (j >= 0) & (j < KMAX)
+                tl.store(OUT_TOK + b.to(tl.int64) * s_out + j, tok, mask=keep)
+                tl.store(OUT_LP + b.to(tl.int64) * s_out + j, lp, mask=keep)
+                tl.store(TOKENS + b, tok)
+                tl.store(POS + b, tl.load(POS + b) + 1)
+                tl.store(CTX + b, ctx + 1)
+                tl.store(CTR + b, ctr + 1)
 
 
+# The default launch, from benchmarks/decode_parts.py --parts sampler on the H200 (2026-12-05,
+# docs/results/s13/call4_s13a): one block per chunk where the vocabulary allows (at most 64 chunks),
+# 4096-wide blocks when greedy and 2048 when sampled, 4 warps from 16 rows up and 8 below. Greedy at batch
+# 64: 17.0 µs against 24.3 for the earlier launch (9 chunks of 2048, 8 warps); at 256: 58.9 against 86.1;
+# sampled at 64: 41.3 against 47.1.
 BLOCK = 2048
+MAX_CHUNKS = 64
 
 
-def num_chunks(batch: int, vocab: int, num_sms: int) -> int:
-    """Vocabulary chunks per row: about four programs per SM over the batch, at most one per BLOCK."""
-    return max(1, min(-(-4 * num_sms // max(1, batch)), -(-vocab // BLOCK), 64))
+def launch(batch: int, vocab: int, sampled: bool) -> tuple[int, int, int]:
+    """(chunks per row, block, warps) of the default launch (see above)."""
+    block = BLOCK if sampled else 2 * BLOCK
+    return max(1, min(MAX_CHUNKS, -(-vocab // block))), block, (8 if batch < 16 else 4)
+
+
+@dataclass
+class Advance:
+    """The decode step's state that the sampler moves on in place, for a step captured whole in a CUDA
+    graph (the runner's static buffers, [B] rows; rows with ``ctx_lens == 0`` are padding and left alone).
+    For each other row ``b``, with ``j = counters[b] - counters0[b]``::
+
+        out_tokens[b, j], out_logprobs[b, j] = token, logprob
+        tokens[b] = token;  positions[b] += 1;  ctx_lens[b] += 1;  counters[b] += 1
+
+    (``counters`` is the tensor passed to :func:`sample_rows`: the output position its draw hashes.)"""
+
+    tokens: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    ctx_lens: torch.Tensor  # [B] int32
+    counters0: torch.Tensor  # [B] int64: each row's counter at the window's first step
+    out_tokens: torch.Tensor  # [B, K] int64
+    out_logprobs: torch.Tensor  # [B, K] float32
 
 
 def sample_rows(z: torch.Tensor, temperature: torch.Tensor, lo: torch.Tensor | None, seeds: torch.Tensor, counters: torch.Tensor,
-                sampled: bool, num_sms: int | None = None, chunks: int | None = None, block: int = BLOCK,
-                num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+                sampled: bool, chunks: int | None = None, block: int | None = None,
+                num_warps: int | None = None, advance: Advance | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring; ``sampled=False`` when every row is greedy (no noise computed). ``chunks``,
-    ``block``, ``num_warps``: the launch (default: :func:`num_chunks`'s, ``BLOCK``, 8 warps); benchmarks compare them."""
+    ``block``, ``num_warps``: the launch (default: :func:`launch`'s); benchmarks compare them. ``advance``:
+    also move the decode state on (:class:`Advance`)."""
     b, vocab = z.shape
     z = z if z.stride(-1) == 1 else z.contiguous()
     tok = torch.empty(b, dtype=torch.int64, device=z.device)
     lp = torch.empty(b, dtype=torch.float32, device=z.device)
     if not b:
         return tok, lp
-    if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(z.device).multi_processor_count if z.is_cuda else 4
-    c = chunks or num_chunks(b, vocab, num_sms)
+    c0, block0, warps0 = launch(b, vocab, sampled)
+    c, block, num_warps = chunks or c0, block or block0, num_warps or warps0
     chunk = -(-(-(-vocab // c)) // block) * block  # a whole number of blocks
     c = -(-vocab // chunk)
     f32 = dict(dtype=torch.float32, device=z.device)
@@ -156,5 +203,13 @@ def sample_rows(z: torch.Tensor, temperature: torch.Tensor, lo: torch.Tensor | N
     pi = torch.empty(b, c, dtype=torch.int32, device=z.device)
     _sample_chunk_kernel[(b, c)](z, temperature, lo if lo is not None else temperature, seeds, counters, pm, pl, pb, ps, pi,
                                  vocab, z.stride(0), chunk, SAMPLED=sampled, HAS_LO=lo is not None, C=c, BLOCK=block, num_warps=num_warps)
-    _sample_merge_kernel[(b,)](pm, pl, pb, ps, pi, tok, lp, C=c, CP=triton.next_power_of_2(c), num_warps=1)
+    a = advance
+    if a is not None:
+        assert a.out_tokens.stride(1) == 1 and a.out_logprobs.stride() == a.out_tokens.stride(), "outputs: [B, K], rows alike"
+        _sample_merge_kernel[(b,)](pm, pl, pb, ps, pi, tok, lp, a.tokens, a.positions, a.ctx_lens, counters, a.counters0,
+                                   a.out_tokens, a.out_logprobs, a.out_tokens.stride(0), a.out_tokens.shape[1],
+                                   C=c, CP=triton.next_power_of_2(c), ADVANCE=True, num_warps=1)
+    else:
+        _sample_merge_kernel[(b,)](pm, pl, pb, ps, pi, tok, lp, tok, tok, tok, tok, tok, tok, lp, 0, 0,
+                                   C=c, CP=triton.next_power_of_2(c), ADVANCE=False, num_warps=1)
     return tok, lp
