@@ -196,3 +196,30 @@ def test_step_graphs_with_sampling_match_the_step_by_step_path_on_gpu():
     top_p = [SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=5)] + params[:5]
     core, _ = go(top_p)
     assert not core.runner.step_graphs and core.runner.graphs
+
+
+def test_decode_window_launch_never_waits_for_the_device():
+    """Enqueueing a decode window (page tables, sampling state, the steps, the copies back) must not
+    synchronize the stream, or the host cannot enqueue window N+1 while window N runs: under
+    ``torch.cuda.set_sync_debug_mode("error")`` any synchronizing call in ``_launch`` raises. (Graphs are
+    captured in a first run; capturing synchronizes.)"""
+    m = model(torch.bfloat16, qk_norm=True)
+    core, first = run(m)
+    launch = core._launch
+
+    def strict(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    core._launch = strict
+    core.flush_cache()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 512, (n,), generator=g).tolist() for n in (5, 40, 17, 100, 3, 64)]
+    reqs = [core.add_request(p, SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True))[0] for p in prompts]
+    while core.has_unfinished():
+        core.step()
+    assert core.windows_ahead > 0
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in first]

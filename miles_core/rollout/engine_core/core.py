@@ -41,6 +41,7 @@ from miles_core.rollout.engine_core import cpu_decode
 from miles_core.rollout.engine_core.attention import AttnBatch
 from miles_core.rollout.engine_core.blocks import BlockManager
 from miles_core.rollout.engine_core.config import EngineConfig
+from miles_core.rollout.engine_core.host import to_device, to_host
 from miles_core.rollout.engine_core.request import Request, RequestOutput, Status
 from miles_core.rollout.engine_core.runner import ModelRunner
 from miles_core.rollout.engine_core.sampler import SamplingTensors, sample
@@ -273,17 +274,17 @@ class EngineCore:
         q_index = [row * qmax + i for row, n in enumerate(q_lens) for i in range(n)]
         q_pos = [[c - n + i if i < n else -1 for i in range(qmax)] for n, c in zip(q_lens, ctx)]
         meta = AttnBatch(
-            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
-            ctx_lens=torch.tensor(ctx, dtype=torch.long, device=dev),
-            q_index=torch.tensor(q_index, dtype=torch.long, device=dev),
-            q_pos=torch.tensor(q_pos, dtype=torch.long, device=dev),
+            block_tables=to_device(tables, torch.long, dev),
+            ctx_lens=to_device(ctx, torch.long, dev),
+            q_index=to_device(q_index, torch.long, dev),
+            q_pos=to_device(q_pos, torch.long, dev),
             num_seqs=b,
             max_q=qmax,
             max_ctx=-(-max(ctx) // p) * p,
         )
         if self.runner.varlen_prefill and all(c == n for c, n in zip(ctx, q_lens)):  # no chunk has context before it
-            meta.cu_seqlens = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=dev)
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+            meta.cu_seqlens = to_device([0, *itertools.accumulate(q_lens)], torch.int32, dev)
+        as_long = lambda xs: to_device(xs, torch.long, dev)  # noqa: E731
         logits, routed = self.runner.prefill(as_long(ids), as_long(pos), as_long(slots), meta, as_long(sample_rows))
         offset = 0
         for req, n in plan.chunks:
@@ -297,7 +298,7 @@ class EngineCore:
         if not sample_reqs:
             return []
         st = SamplingTensors.build([r.params for r in sample_reqs], [r.seed for r in sample_reqs], dev)
-        counters = torch.tensor([len(r.output_ids) for r in sample_reqs], dtype=torch.long, device=dev)
+        counters = to_device([len(r.output_ids) for r in sample_reqs], torch.long, dev)
         tok, lp, top = sample(logits, st, counters)
         lp = self._op_logprobs(tok, lp, st)
         toks, lps = tok.tolist(), lp.tolist()
@@ -315,7 +316,7 @@ class EngineCore:
         out = torch.empty_like(lp)
         temps = st.temperature.tolist()
         for t in sorted(set(temps)):
-            rows = torch.tensor([i for i, x in enumerate(temps) if x == t], device=tok.device)
+            rows = to_device([i for i, x in enumerate(temps) if x == t], torch.long, tok.device)
             out[rows] = self.logprobs_op(h[rows], w, tok[rows], temperature=t if t > 0 else 1.0)[0].float()
         return out
 
@@ -324,7 +325,7 @@ class EngineCore:
         if not reqs:
             return []
         run = self.runner
-        last = torch.tensor([[r.output_ids[-1], r.num_tokens - 1, len(r.output_ids)] for r in reqs], dtype=torch.long, device=self.device)
+        last = to_device([[r.output_ids[-1], r.num_tokens - 1, len(r.output_ids)] for r in reqs], torch.long, self.device)
         st, counters = self._sampling_tensors(reqs), last[:, 2]
         if self.cfg.cpu_decode_window and cpu_decode.supported(run):
             w = self._cpu.window(reqs, last[:, 0], last[:, 1], self._tables(reqs), k, lambda z, j: sample(z, st, counters + j))
@@ -360,10 +361,10 @@ class EngineCore:
                 vals += r.block_ids[have:]
                 self._table_len[s] = len(r.block_ids)
         if zero:
-            self._table[torch.tensor(zero, device=dev)] = 0
+            self._table[to_device(zero, torch.long, dev)] = 0
         if rows:
-            self._table[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(vals, dtype=torch.int32, device=dev)
-        return self._table[torch.tensor([r.slot for r in reqs], device=dev)]
+            self._table[to_device(rows, torch.long, dev), to_device(cols, torch.long, dev)] = to_device(vals, torch.int32, dev)
+        return self._table[to_device([r.slot for r in reqs], torch.long, dev)]
 
     def _launch(self, reqs: list[Request], k: int, counters: torch.Tensor, ahead: int) -> _Window:
         """Enqueue ``k`` decode steps of ``reqs`` from the runner's buffers (tokens, positions and
@@ -400,7 +401,7 @@ class EngineCore:
 
     def _window(self, reqs: list[Request], k: int, counters: torch.Tensor, out_tok, out_lp, tops: list, routes: list) -> _Window:
         """A launched window: its outputs' copies to the host enqueued behind its steps, and an event after them."""
-        host = _to_host([out_tok, out_lp, *(t for top in tops for t in (top.values, top.indices)), *routes])
+        host = to_host([out_tok, out_lp, *(t for top in tops for t in (top.values, top.indices)), *routes])
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
@@ -527,19 +528,6 @@ class _Window:
 class _Top:
     values: torch.Tensor
     indices: torch.Tensor
-
-
-def _to_host(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Device tensors -> host copies without waiting (pinned buffers, async copies); CPU tensors as they are."""
-    out = []
-    for t in ts:
-        if t.device.type == "cpu":
-            out.append(t)
-            continue
-        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        h.copy_(t, non_blocking=True)
-        out.append(h)
-    return out
 
 
 def _top_lists(top, ks: list[int]):

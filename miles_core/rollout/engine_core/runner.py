@@ -105,6 +105,9 @@ class ModelRunner:
         self.attn_launch: dict = {}
 
     PDL_ROWS = 64
+    # the q/k/v GEMM's K block under PDL: (block_n 32, block_k 128, 4 stages) took 3.8 µs at 64 rows on the H200,
+    # the fastest of 12 launches; block_k 64, 4.0 µs (decode_parts.py --parts launches, 2026-12-05, docs/results/s12)
+    QKV_BLOCK_K = 128
 
     def pdl_at(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows chains its kernels by PDL: only up to 64 rows, where its GEMMs are
@@ -272,7 +275,7 @@ class ModelRunner:
         for i, layer in enumerate(layers):
             a = layer.self_attn
             norm = a.cfg.qk_norm
-            qkv = triton_gemm.gemm(h, self.qkv[i], pdl=True, prefetch=pf) if pdl else F.linear(h, self.qkv[i])
+            qkv = triton_gemm.gemm(h, self.qkv[i], block_k=self.QKV_BLOCK_K, pdl=True, prefetch=pf) if pdl else F.linear(h, self.qkv[i])
             if attend_qkv is not None:
                 o = attend_qkv(qkv, a, i)
             else:

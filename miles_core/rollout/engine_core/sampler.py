@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from miles_core.rollout.engine_core import triton_sample
+from miles_core.rollout.engine_core.host import to_device
 
 _M32 = 0xFFFFFFFF
 
@@ -65,14 +66,14 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, params: list, seeds: list[int], device) -> SamplingTensors:
-        f32 = dict(device=device, dtype=torch.float32)
+        device = torch.device(device)
         temps = [p.temperature for p in params]
         return cls(
-            temperature=torch.tensor(temps, **f32),
-            top_p=torch.tensor([p.top_p for p in params], **f32),
-            top_k=torch.tensor([p.top_k for p in params], device=device, dtype=torch.int64),
-            min_p=torch.tensor([p.min_p for p in params], **f32),
-            seeds=torch.tensor(seeds, device=device, dtype=torch.int64),
+            temperature=to_device(temps, torch.float32, device),
+            top_p=to_device([p.top_p for p in params], torch.float32, device),
+            top_k=to_device([p.top_k for p in params], torch.int64, device),
+            min_p=to_device([p.min_p for p in params], torch.float32, device),
+            seeds=to_device(seeds, torch.int64, device),
             any_sampled=any(t > 0 for t in temps),
             any_top_p_or_k=any(p.top_p < 1.0 or p.top_k > 0 for p in params),
             any_min_p=any(p.min_p > 0 for p in params),
