@@ -31,7 +31,7 @@
 #   bash benchmarks/gpu_session.sh s12b     # (ran with the pipelined attention loop and folded norms, both removed since: their flags are gone) attention launches; engine by launch
 #   bash benchmarks/gpu_session.sh s12c     # rollout bench with HF; engine without overlap, with folded norms (--fold-norms is gone since); rollout GPU tests
 #   bash benchmarks/gpu_session.sh s13a     # rollout bench with HF (final session-12 code); engine profiles (kinds, GPU timeline) at batch 64 and 1; sampler launches
-#   bash benchmarks/gpu_session.sh s13b     # rollout GPU tests; rollout bench with HF; engine with / without sampling inside the step graph, alternated
+#   bash benchmarks/gpu_session.sh s13b     # rollout GPU tests; rollout bench with HF; engine: this code, call 4's (.baseline/), without sampling in the step graph, alternated
 #   bash benchmarks/gpu_session.sh s10d     # rollout GPU tests; rollout bench (PDL at <= 64 rows, the default) with HF, and --no-pdl
 #   bash benchmarks/gpu_session.sh fp8check   # the FP8 quantiser / module-gradient / path tests under the default (fused activation) kernels
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
@@ -183,8 +183,10 @@ print(min(t)[1].strip('()').replace(' ', '') if t else '')")
     s13b)
       timeout 200 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -4
       OUT= timeout 150 python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench_hf.log" | tail -5
-      for v in "gs:" "nogs:--no-graph-sampling" "gs2:" "nogs2:--no-graph-sampling"; do
-        OUT= timeout 100 python3 benchmarks/rollout_bench.py --preset gpu --batches 1,64,256 --skip-hf ${v#*:} 2>&1 \
+      # base: the code of call 4 (commit 1ca9265, carried as .baseline/), run the same way in the same call
+      for v in "new:" "base:" "nogs:--no-graph-sampling" "new2:" "base2:"; do
+        dir=.; pp=$PYTHONPATH; [ "${v%%:*}" = base ] || [ "${v%%:*}" = base2 ] && { dir=.baseline; pp=$PWD/.baseline:$PWD/.pyshim:$PWD/.baseline/plugins/miles_nvidia:/tmp/site; }
+        OUT= PYTHONPATH=$pp timeout 100 python3 $dir/benchmarks/rollout_bench.py --preset gpu --batches 1,64,256 --skip-hf ${v#*:} 2>&1 \
           | tee "$OUT/rollout_bench_${v%%:*}.log" | grep -E "^ +(1|64|256) \|" | tr '\n' ' '; echo " <- ${v%%:*}"
       done ;;
     s13a)
