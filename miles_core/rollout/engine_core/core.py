@@ -361,7 +361,7 @@ class EngineCore:
                 vals += r.block_ids[have:]
                 self._table_len[s] = len(r.block_ids)
         if zero:
-            self._table[to_device(zero, torch.long, dev)] = 0
+            self._table.index_fill_(0, to_device(zero, torch.long, dev), 0)  # (an indexed assignment of 0 syncs)
         if rows:
             self._table[to_device(rows, torch.long, dev), to_device(cols, torch.long, dev)] = to_device(vals, torch.int32, dev)
         return self._table[to_device([r.slot for r in reqs], torch.long, dev)]
