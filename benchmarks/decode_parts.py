@@ -201,7 +201,7 @@ def splitk(batches, hidden=1024, heads=16, kv_heads=8, d=128, inter=3072, names=
 
 def sampler(batches, vocab=151936) -> None:
     """The sampler's fused pass (triton_sample.sample_rows, greedy and sampled) over bf16 logits, by launch:
-    vocabulary chunks per row, block, warps; the engine's launch (num_chunks, BLOCK, 8 warps) is marked."""
+    vocabulary chunks per row, block, warps; the engine's launch (triton_sample.launch) is marked."""
     from miles_core.rollout.engine_core import triton_sample
 
     dev = torch.device("cuda")
@@ -213,16 +213,16 @@ def sampler(batches, vocab=151936) -> None:
         temp = torch.full((b,), 0.8, device=dev)
         seeds = torch.arange(b, device=dev, dtype=torch.int64)
         ctr = torch.zeros(b, device=dev, dtype=torch.int64)
-        default = triton_sample.num_chunks(b, vocab, sms)
         for sampled in (False, True):
+            default = triton_sample.launch(b, vocab, sampled)
             t_in = temp if sampled else torch.zeros_like(temp)
             ref = triton_sample.sample_rows(z, t_in, None, seeds, ctr, sampled)
             best = None
-            for c, blk, w in itertools.product(sorted({default, 16, 32, 64}), (1024, 2048, 4096), (4, 8)):
+            for c, blk, w in itertools.product(sorted({default[0], 16, 32, 64}), (1024, 2048, 4096), (4, 8)):
                 got = triton_sample.sample_rows(z, t_in, None, seeds, ctr, sampled, chunks=c, block=blk, num_warps=w)
                 ok = torch.equal(got[0], ref[0])
                 t = graph_time(lambda: triton_sample.sample_rows(z, t_in, None, seeds, ctr, sampled, chunks=c, block=blk, num_warps=w), calls=8)
-                mark = " (engine)" if (c, blk, w) == (default, triton_sample.BLOCK, 8) else ""
+                mark = " (engine)" if (c, blk, w) == default else ""
                 print(f"{b:>5} {'sampled' if sampled else 'greedy':>7} {c:>6} {blk:>6} {w:>5} {t:>8.1f} {z.numel() * 2 / t / 1e6:>6.2f}{mark}"
                       + ("" if ok else "  TOKENS DIFFER"))
                 if ok and (best is None or t < best[0]):

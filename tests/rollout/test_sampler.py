@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from miles_core.rollout.base import SamplingParams
@@ -86,14 +87,7 @@ for splits in (1, 3):
     assert out[2].abs().max() == 0
 print("OK")
 """
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    if "SKIP" in res.stdout:
-        import pytest
-
-        pytest.skip("triton is not installed")
-    assert "OK" in res.stdout
+    _run_interpreted(code)
 
 
 def test_triton_sampler_matches_torch_in_interpreter():
@@ -129,14 +123,7 @@ for dtype in (torch.float32, torch.bfloat16):
     assert g2.item() == logits[0].float().argmax().item()
 print("OK")
 """
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    if "SKIP" in res.stdout:
-        import pytest
-
-        pytest.skip("triton is not installed")
-    assert "OK" in res.stdout
+    _run_interpreted(code)
 
 
 def test_triton_sampler_advances_the_decode_state_in_interpreter():
@@ -171,6 +158,12 @@ for step in range(2):
 assert adv.out_tokens[3].tolist() == [-1, -1, -1] and adv.tokens[3].item() == 0 and adv.out_tokens[:, 2].tolist() == [-1] * 4
 print("OK")
 """
+    _run_interpreted(code)
+
+
+def _run_interpreted(code: str) -> None:
+    """Run ``code`` under the Triton interpreter in a subprocess (it is chosen when triton is imported); it prints
+    OK, or SKIP without triton."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
