@@ -121,6 +121,7 @@ def test_moe_train_step_matches_transformers(megatron_cpu):
     loss = aggregate_loss(out.loss, b.response_mask, cfg.algorithm, int(b.response_mask.sum()), b.num_samples, b.response_mask.shape[1])
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), t.grad_clip)
+    before = convert.split_fused_experts({n: p.detach().clone() for n, p in model.named_parameters()})
     opt.step()
     assert metrics["loss"] == pytest.approx(float(loss), abs=1e-5)
     assert metrics["grad_norm"] == pytest.approx(float(norm), rel=1e-4)
@@ -130,8 +131,18 @@ def test_moe_train_step_matches_transformers(megatron_cpu):
         torch.testing.assert_close(got_grads[k], g, atol=1e-6, rtol=1e-4, msg=lambda m: f"grad {k}: {m}")
     ref = convert.split_fused_experts(dict(model.state_dict()))
     got = mega.weights()
-    for k, v in ref.items():  # 2% of one Adam step (see the dense test; router grads have ~1e-8 entries)
-        torch.testing.assert_close(got[k], v, atol=2e-4, rtol=0, msg=lambda m: f"{k}: {m}")
+    # Adam's first step is lr * g / (|g| + eps), whose slope in g is lr * eps / (|g| + eps)^2: where
+    # 0 < |g| < 1e-6 (router entries and rarely routed expert rows reach 1e-8), gradients that agree
+    # to the bound above may still step differently, even in sign. Those few entries are held to the
+    # size of one step; every other entry (zero gradients of unrouted experts included) to 2% of one.
+    held = total = 0
+    for k, v in ref.items():
+        settled = (ref_grads[k].abs() > 1e-6) | (ref_grads[k] == 0)
+        torch.testing.assert_close(got[k][settled], v[settled], atol=2e-4, rtol=0, msg=lambda m: f"{k}: {m}")
+        decay = t.lr * t.weight_decay * before[k].abs()
+        assert bool(((got[k] - before[k]).abs() <= t.lr * 1.001 + decay).all()), k
+        held, total = held + int(settled.sum()), total + settled.numel()
+    assert held > 0.99 * total, (held, total)
 
 
 def test_vocab_parallel_logprobs_equals_reference_at_tp1(megatron_cpu):
