@@ -33,6 +33,7 @@
 #   bash benchmarks/gpu_session.sh s13a     # rollout bench with HF (final session-12 code); engine profiles (kinds, GPU timeline) at batch 64 and 1; sampler launches
 #   bash benchmarks/gpu_session.sh s13b     # rollout GPU tests; rollout bench with HF; engine: this code, call 4's (.baseline/), without sampling in the step graph, alternated
 #   bash benchmarks/gpu_session.sh s13c     # rollout GPU tests; rollout bench with HF (the final session-13 code)
+#   bash benchmarks/gpu_session.sh s14      # the same, shorter (batch 64 first): for a session with ~6 min of device time
 #   bash benchmarks/gpu_session.sh s10d     # rollout GPU tests; rollout bench (PDL at <= 64 rows, the default) with HF, and --no-pdl
 #   bash benchmarks/gpu_session.sh fp8check   # the FP8 quantiser / module-gradient / path tests under the default (fused activation) kernels
 #   bash benchmarks/gpu_session.sh sync       # weight sync to a GPU `miles serve` (NCCL needs 2 GPUs: nvidia-h200-x2)
@@ -190,6 +191,9 @@ print(min(t)[1].strip('()').replace(' ', '') if t else '')")
         OUT= PYTHONPATH=$pp timeout 100 python3 $dir/benchmarks/rollout_bench.py --preset gpu --batches 1,64,256 --skip-hf ${v#*:} 2>&1 \
           | tee "$OUT/rollout_bench_${v%%:*}.log" | grep -E "^ +(1|64|256) \|" | tr '\n' ' '; echo " <- ${v%%:*}"
       done ;;
+    s14)
+      timeout 60 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -4
+      OUT= timeout 200 python3 benchmarks/rollout_bench.py --preset gpu --batches 64,1,256 2>&1 | tee "$OUT/rollout_bench_hf.log" | tail -6 ;;
     s13c)
       timeout 100 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -4
       OUT= timeout 170 python3 benchmarks/rollout_bench.py --preset gpu 2>&1 | tee "$OUT/rollout_bench_hf.log" | tail -5 ;;
