@@ -24,11 +24,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # triton is optional (the torch path is the reference)
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+from miles_core.rollout.engine_core.triton_lib import tl, triton
 
 
 def supported(device: torch.device) -> bool:

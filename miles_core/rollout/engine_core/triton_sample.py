@@ -38,15 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-try:  # triton is optional (the torch path is the reference)
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-
-
-def available() -> bool:
-    return triton is not None
+from miles_core.rollout.engine_core.triton_lib import available, tl, triton  # noqa: F401 (available: this module's API)
 
 
 if triton is not None:
