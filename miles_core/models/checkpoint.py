@@ -68,14 +68,21 @@ def read_hf_config(path: Path) -> dict:
         raise ConfigError(f"{cfg_file}: not valid JSON ({exc})") from None
 
 
-def family_for(hf: dict, families: Registry, path: Path) -> ModelFamily:
+def find_family(hf: dict, families: Registry) -> ModelFamily | None:
+    """The family whose ``hf_model_types`` hold the config's ``model_type``, or None."""
     model_type = hf.get("model_type", "")
-    for entry in families:
-        if model_type in entry.value.hf_model_types:
-            return entry.value
+    return next((e.value for e in families if model_type in e.value.hf_model_types), None)
+
+
+def family_for(hf: dict, families: Registry, path: Path) -> ModelFamily:
+    family = find_family(hf, families)
+    if family is not None:
+        return family
+    model_type = hf.get("model_type", "")
     raise ConfigError(
         f"model checkpoint '{path}' has model_type '{model_type}', which no model family handles "
-        f"(known: {', '.join(t for e in families for t in e.value.hf_model_types)})"
+        f"(known: {', '.join(t for e in families for t in e.value.hf_model_types)}); `miles serve` runs other "
+        "architectures through transformers"
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -9,13 +10,16 @@ import torch
 from miles_core.data.tokenizer import load_tokenizer
 from miles_core.errors import ConfigError
 from miles_core.kernels.base import Kernels
-from miles_core.models.checkpoint import load_hf_folder
+from miles_core.models.checkpoint import find_family, load_hf_folder, read_hf_config
 from miles_core.platforms import select_platform
 from miles_core.plugins.manager import MilesPlugins
 from miles_core.rollout.engine_core.config import EngineConfig
 from miles_core.rollout.engine_core.core import EngineCore
 from miles_core.rollout.engine_core.threaded import ThreadedEngine
+from miles_core.rollout.engine_core.transformers_runner import is_transformers_model, load_transformers_model
 from miles_core.serve.server import MilesServer
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -38,7 +42,8 @@ class _HFTok:
 
 
 def load_model(model: str, plugins: MilesPlugins):
-    """``model``: an HF safetensors folder, or a ``.gguf`` file -> (model, tokenizer)."""
+    """``model``: an HF safetensors folder, or a ``.gguf`` file -> (model, tokenizer). A folder whose
+    ``model_type`` no Miles family handles loads as a transformers model (the engine's transformers path)."""
     path = Path(model)
     families = plugins.registries.model_families
     if path.suffix == ".gguf":
@@ -48,6 +53,11 @@ def load_model(model: str, plugins: MilesPlugins):
         return m, _HFTok(tok)
     if not path.is_dir():
         raise ConfigError(f"MODEL '{model}' is neither an HF folder nor a .gguf file")
+    if find_family(read_hf_config(path), families) is None:  # no Miles implementation: transformers' own, slower
+        m = load_transformers_model(path)
+        log.warning("%s: architecture '%s' has no Miles model family; it runs through transformers (eager, slower)",
+                    path, m.config.model_type)
+        return m, load_tokenizer(path)
     m, _family = load_hf_folder(path, families)
     return m, load_tokenizer(path)
 
@@ -65,7 +75,7 @@ def build_server(model: str, host: str = "127.0.0.1", port: int = 30000, device:
     else:
         raise ConfigError(f"--dtype '{dtype}' is not one of auto, {', '.join(_DTYPES)}")
     m = m.to(device=dev, dtype=dt)
-    if hasattr(m, "use_kernels"):  # the platform's rmsnorm/rope/swiglu, as the trainer uses
+    if not is_transformers_model(m):  # the platform's rmsnorm/rope/swiglu, as the trainer uses
         m.use_kernels(Kernels(plugins, _platform.name))
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     core = EngineCore(m, engine or EngineConfig(), eos_token_ids=eos, detokenize=tok.decode, seed=seed)

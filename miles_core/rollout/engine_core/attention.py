@@ -7,7 +7,9 @@ Shapes: ``N`` new tokens in the step (flat), ``B`` sequences, ``H`` query heads,
   ``block_tables[b, t // P] * P + t % P`` (``P`` = block size).
 * Sequence ``b`` brings ``q_len[b]`` new tokens, whose K/V are already written; after them it has
   ``ctx_len[b]`` tokens in the cache. Its ``i``-th new token is at position
-  ``ctx_len[b] - q_len[b] + i`` and attends to cache positions ``<=`` that (causal).
+  ``ctx_len[b] - q_len[b] + i`` and attends to cache positions ``<=`` that (causal), and with a
+  sliding ``window`` ``w`` only to positions ``> pos - w`` (transformers' convention).
+* ``scale``: the score scale, ``1/sqrt(D)`` when None (a model may set its own: Gemma, Granite).
 
 Method: gather each sequence's K/V into a padded [B, T, Hk, D] block, then one
 ``scaled_dot_product_attention`` with a boolean mask, the same call the training decoder makes
@@ -49,8 +51,9 @@ def gather_slots(block_tables: torch.Tensor, max_ctx: int, block_size: int) -> t
     return (pages[:, :, None] * block_size + offs).reshape(pages.shape[0], nb * block_size)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnBatch, block_size: int) -> torch.Tensor:
-    """``q`` [N, H, D] -> [N, H, D] (scale 1/sqrt(D))."""
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnBatch, block_size: int,
+                    scale: float | None = None, window: int | None = None) -> torch.Tensor:
+    """``q`` [N, H, D] -> [N, H, D]."""
     n, h, d = q.shape
     b, qmax, t = meta.num_seqs, meta.max_q, meta.max_ctx
     slots = gather_slots(meta.block_tables[:b], t, block_size)  # [B, T]
@@ -65,15 +68,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     qp = qp.view(b, qmax, h, d).transpose(1, 2)  # [B, H, Qmax, D]
     kpos = torch.arange(t, device=q.device)
     mask = (kpos[None, None, :] <= meta.q_pos[:, :, None]) & (kpos[None, None, :] < meta.ctx_lens[:b, None, None])
+    if window is not None:
+        mask = mask & (kpos[None, None, :] > meta.q_pos[:, :, None] - window)
     mask = mask | ((meta.q_pos[:, :, None] < 0) & (kpos == 0))  # padding queries see slot 0 (no NaN)
-    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask[:, None])
+    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask[:, None], scale=scale)
     return out.transpose(1, 2).reshape(b * qmax, h, d)[meta.q_index]
 
 
-def decode_attention_torch(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int, max_ctx: int) -> torch.Tensor:
+def decode_attention_torch(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int, max_ctx: int,
+                           scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """Decode (one new token per row): ``q`` [B, H, D] -> [B, H, D]; static shapes (graph-safe).
 
-    ``softmax(q K^T / sqrt(D)) V`` per row over its first ``ctx_lens[b]`` cache positions, with the
+    ``softmax(scale * q K^T) V`` per row over its first ``ctx_lens[b]`` cache positions (the last
+    ``window`` of them with a window), with the
     ``R = H / Hk`` query heads of a group sharing one gathered K/V (no ``repeat_interleave``).
     """
     b, h, d = q.shape
@@ -83,9 +90,12 @@ def decode_attention_torch(q, k_cache, v_cache, block_tables, ctx_lens, block_si
     k = k_cache.index_select(0, slots).view(b, max_ctx, hk, d).transpose(1, 2).contiguous()
     v = v_cache.index_select(0, slots).view(b, max_ctx, hk, d).transpose(1, 2).contiguous()
     qg = q.view(b, hk, h // hk, d)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(d))  # [B, Hk, R, T]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(d) if scale is None else scale)  # [B, Hk, R, T]
     kpos = torch.arange(max_ctx, device=q.device)
-    mask = (kpos[None, :] < ctx_lens[:, None]) | (kpos[None, :] == 0)  # rows with ctx 0 (padding) see slot 0
+    mask = kpos[None, :] < ctx_lens[:, None]
+    if window is not None:  # the query sits at position ctx - 1
+        mask = mask & (kpos[None, :] >= ctx_lens[:, None] - window)
+    mask = mask | ((ctx_lens[:, None] == 0) & (kpos[None, :] == 0))  # rows with ctx 0 (padding) see slot 0
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, -1).to(v.dtype)
     return torch.matmul(probs, v).reshape(b, h, d)

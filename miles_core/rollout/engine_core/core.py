@@ -46,6 +46,7 @@ from miles_core.rollout.engine_core.request import Request, RequestOutput, Statu
 from miles_core.rollout.engine_core.runner import ModelRunner
 from miles_core.rollout.engine_core.sampler import SamplingTensors, sample
 from miles_core.rollout.engine_core.scheduler import DecodePlan, PrefillPlan, Scheduler, final_len
+from miles_core.rollout.engine_core.transformers_runner import TransformersRunner, is_transformers_model
 
 
 class EngineCore:
@@ -59,7 +60,9 @@ class EngineCore:
         logprobs_op: Callable | None = None,
         logprobs_dtype: torch.dtype | None = None,
     ) -> None:
-        """``model`` is a Decoder already on its device, in its serving dtype; the core uses it as is.
+        """``model`` is a Decoder already on its device, in its serving dtype; the core uses it as is. A
+        transformers model loaded by :func:`.transformers_runner.load_transformers_model` (an architecture
+        with no Miles family) runs through :class:`.transformers_runner.TransformersRunner` instead.
 
         ``logprobs_op`` (the trainer's kernel op "logprobs", with ``config.exact_attention``): the
         reported logprob of each sampled token is recomputed by that op from the final hidden state
@@ -75,9 +78,10 @@ class EngineCore:
         self.rng = random.Random(seed)
         self.logprobs_op, self.logprobs_dtype = logprobs_op, logprobs_dtype
         self.weight_version = 0
-        self.max_model_len = min(self.cfg.max_model_len, model.config.max_position_embeddings)
+        self.max_model_len = min(self.cfg.max_model_len, getattr(model.config, "max_position_embeddings", None) or self.cfg.max_model_len)
         bs = self.cfg.block_size
-        self.runner = ModelRunner(model, self.cfg, self.device, extra_blocks=-(-self.cfg.decode_steps // bs) + 1)
+        runner = TransformersRunner if is_transformers_model(model) else ModelRunner
+        self.runner = runner(model, self.cfg, self.device, extra_blocks=-(-self.cfg.decode_steps // bs) + 1)
         self._cpu = cpu_decode.CpuDecoder(self.runner)  # used when cfg.cpu_decode_window and on CPU
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -173,7 +177,7 @@ class EngineCore:
         state: dict[str, torch.Tensor] = {}
         for f in files:
             state.update(load_file(str(f)))
-        if self.model.config.tie_word_embeddings:
+        if getattr(self.model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
         self.update_weights(state, version)
 
