@@ -38,6 +38,7 @@ from miles_core.plugins.manager import MilesPlugins  # noqa: E402
 from miles_core.rollout.base import SamplingParams  # noqa: E402
 from miles_core.rollout.engine_core.config import EngineConfig  # noqa: E402
 from miles_core.rollout.engine_core.core import EngineCore  # noqa: E402
+from miles_core.rollout.engine_core.transformers_runner import load_transformers_model  # noqa: E402
 
 HBM_BYTES_PER_S = 4.26e12  # the H200's, measured (the issue's figure)
 HBM_BY_DEVICE = {"H200": 4.26e12, "H100": 3.35e12}  # H100 SXM: NVIDIA's datasheet figure (not measured here)
@@ -123,6 +124,8 @@ def main() -> None:
     ap.add_argument("--attention", default=None, help="engine: the paged decode kernel's launch, BLOCK_N,WARPS "
                     "(default: triton_decode.BLOCK_N, NUM_WARPS)")
     ap.add_argument("--no-fused", action="store_true", help="engine: without the fused Triton layer kernels (triton_fused.py)")
+    ap.add_argument("--transformers-path", action="store_true", help="engine: run the model through transformers' own modules "
+                    "over the paged cache (the path of architectures with no Miles family; transformers_runner.py)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default); > 0 samples (top-k/top-p off)")
     args = ap.parse_args()
     a = argparse.Namespace(**PRESETS[args.preset])
@@ -142,10 +145,12 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_config(hf_config(a)).to(dtype)
     hf.save_pretrained(tmp)
     hf = hf.to(dev).eval()
-    model, _ = load_hf_folder(tmp, MilesPlugins().registries.model_families)
-    model = model.to(device=dev, dtype=dtype)
-    plugins = MilesPlugins()
-    model.use_kernels(Kernels(plugins, dev.type))  # as BuiltinEngine and miles serve do: the platform's kernels
+    if args.transformers_path:
+        model = load_transformers_model(tmp).to(device=dev, dtype=dtype)
+    else:
+        model, _ = load_hf_folder(tmp, MilesPlugins().registries.model_families)
+        model = model.to(device=dev, dtype=dtype)
+        model.use_kernels(Kernels(MilesPlugins(), dev.type))  # as BuiltinEngine and miles serve do: the platform's kernels
     cfg = EngineConfig(max_num_seqs=max(batches), max_model_len=a.prompt_len + a.new_tokens + 16, kv_memory_fraction=0.3,
                        max_batched_tokens=16384, fused_kernels=not args.no_fused, splitk_gemm=not args.no_splitk,
                        gated_gemm=not args.no_gated, pdl=not args.no_pdl,
@@ -188,13 +193,14 @@ def main() -> None:
     print(f"\nrollout benchmark — {args.preset} preset on {device_name}, torch {torch.__version__}, "
           f"{a.family} hidden {a.hidden} x {a.layers} layers, {a.dtype}, prompt {a.prompt_len}, new {a.new_tokens}, "
           + (f"temperature {args.temperature}" if args.temperature > 0 else "greedy"))
-    ops = {name: getattr(fn, "__name__", str(fn)) for name, fn in
-           (("rmsnorm", model.model.norm.op), ("rope", model.model.layers[0].self_attn.rope), ("swiglu", model.model.layers[0].mlp.act))}
+    ops = ({"transformers path": type(model).__name__} if args.transformers_path else
+           {name: getattr(fn, "__name__", str(fn)) for name, fn in
+            (("rmsnorm", model.model.norm.op), ("rope", model.model.layers[0].self_attn.rope), ("swiglu", model.model.layers[0].mlp.act))})
     if dev.type == "cuda":
         print(f"roofline at {hbm_bytes_per_s(device_name) / 1e12:.2f} TB/s of HBM bandwidth")
-    print(f"engine: triton decode {core.runner.use_triton}, fused layer kernels {core.runner.fused_kernels}, split-K {core.runner.splitk}, "
-          f"gated {core.runner.gated}, fused attention {cfg.fused_attention}, attention launch {core.runner.attn_launch or 'default'}, PDL {core.runner.pdl} (prefetch {cfg.pdl_prefetch}), "
-          f"cuda graphs {core.runner.use_graphs} (sampling inside {cfg.graph_sampling}), decode steps/sync {cfg.decode_steps}, overlapped windows {cfg.overlap_windows}, kernels {ops}")
+    print(f"engine: triton decode {getattr(core.runner, 'use_triton', False)}, fused layer kernels {getattr(core.runner, 'fused_kernels', False)}, split-K {getattr(core.runner, 'splitk', False)}, "
+          f"gated {getattr(core.runner, 'gated', False)}, fused attention {cfg.fused_attention}, attention launch {getattr(core.runner, 'attn_launch', None) or 'default'}, PDL {getattr(core.runner, 'pdl', False)} (prefetch {cfg.pdl_prefetch}), "
+          f"cuda graphs {getattr(core.runner, 'use_graphs', False)} (sampling inside {cfg.graph_sampling}), decode steps/sync {cfg.decode_steps}, overlapped windows {cfg.overlap_windows}, kernels {ops}")
     head = f"{'batch':>6} | {'engine tok/s':>12} | {'HF tok/s':>10} | {'speedup':>8} | {'roofline':>8} | identical"
     print(head + "\n" + "-" * len(head))
     for r in rows:
@@ -206,8 +212,8 @@ def main() -> None:
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         meta = {"preset": args.preset, "temperature": args.temperature, "device": device_name, "torch": torch.__version__, "config": vars(a),
-                "triton_decode": core.runner.use_triton, "fused_kernels": core.runner.fused_kernels, "splitk_gemm": core.runner.splitk, "cuda_graphs": core.runner.use_graphs,
-                "gated_gemm": core.runner.gated, "pdl": core.runner.pdl, "overlap_windows": cfg.overlap_windows, "fused_attention": cfg.fused_attention}
+                "triton_decode": getattr(core.runner, 'use_triton', False), "fused_kernels": getattr(core.runner, 'fused_kernels', False), "splitk_gemm": getattr(core.runner, 'splitk', False), "cuda_graphs": getattr(core.runner, 'use_graphs', False),
+                "gated_gemm": getattr(core.runner, 'gated', False), "pdl": getattr(core.runner, 'pdl', False), "overlap_windows": cfg.overlap_windows, "fused_attention": cfg.fused_attention}
         (Path(out) / f"rollout_bench{'_t' + str(args.temperature) if args.temperature > 0 else ''}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 

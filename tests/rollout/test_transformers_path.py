@@ -154,3 +154,17 @@ def test_unsupported_models_are_refused_clearly(tmp_path):
     core.add_request(PROMPTS[0], SamplingParams(max_new_tokens=2))
     with pytest.raises(ConfigError, match="1 of its 2 layers attended"):
         core.step()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_transformers_path_on_cuda(tmp_path):
+    """fp32 on the GPU (TF32 off, so that both sides round alike): the same greedy tokens as transformers."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf = make_model("qwen2", tmp_path).to("cuda")
+    core = EngineCore(load_transformers_model(tmp_path).to("cuda"), EngineConfig(block_size=4, decode_steps=3, num_blocks=64))
+    reqs = run_all(core, PROMPTS, SamplingParams(max_new_tokens=NEW, temperature=0))
+    for prompt, req in zip(PROMPTS, reqs):
+        ids = torch.tensor([prompt], device="cuda")
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(prompt):]
+        assert req.output_ids == ref.tolist()
