@@ -92,6 +92,9 @@ def test_the_sliding_window_is_applied(tmp_path):
     assert hf_greedy(windowed, prompt) != hf_greedy(full, prompt)
     core = EngineCore(load_transformers_model(tmp_path / "f"), EngineConfig(block_size=4, decode_steps=3))
     assert run_all(core, [prompt], SamplingParams(max_new_tokens=NEW, temperature=0))[0].output_ids == hf_greedy(full, prompt)
+    # decode windows longer than the sliding window: the window's own new tokens fall out of it too
+    core = EngineCore(load_transformers_model(tmp_path / "w"), EngineConfig(block_size=4, decode_steps=12))
+    assert run_all(core, PROMPTS, SamplingParams(max_new_tokens=NEW, temperature=0))[2].output_ids == hf_greedy(windowed, prompt)
 
 
 def test_engine_features_on_the_transformers_path(tmp_path):

@@ -375,17 +375,7 @@ class ModelRunner:
         """Eager decode only: gather every row's cached K/V once for a window of ``steps`` steps."""
         if self.use_graphs or self.use_triton or self.fused_kernels or self.cfg.exact_attention:
             return
-        pos0 = self.positions[:bs].clone()  # cache positions < pos0 exist before the window
-        t0 = max(self.block_size, -(-int(pos0.max()) // self.block_size) * self.block_size)
-        slots = gather_slots(self.block_tables[:bs], t0, self.block_size).flatten()
-        g = lambda c: c.index_select(0, slots).view(bs, t0, self.kv_heads, self.head_dim).transpose(1, 2).contiguous()  # noqa: E731
-        self._window = DecodeWindow(
-            pos0=pos0,
-            keys=[g(self.kv[i, 0]) for i in range(self.num_layers)],
-            values=[g(self.kv[i, 1]) for i in range(self.num_layers)],
-            new_k=torch.zeros(self.num_layers, bs, self.kv_heads, steps, self.head_dim, dtype=self.dtype, device=self.device),
-            new_v=torch.zeros(self.num_layers, bs, self.kv_heads, steps, self.head_dim, dtype=self.dtype, device=self.device),
-        )
+        self._window = DecodeWindow.open(self.kv, self.block_tables[:bs], self.positions[:bs], self.block_size, steps)
 
     def end_window(self) -> None:
         self._window = None
@@ -488,12 +478,13 @@ def _fuse_rows(*linears: nn.Linear) -> torch.Tensor:
 
 @dataclass
 class DecodeWindow:
-    """The eager decode path's K/V for one window (CPU): the context gathered once at its start,
-    plus the tokens decoded since. Attention at step ``j`` is one softmax over both parts::
+    """The eager decode path's K/V for one window: the context gathered once at its start, plus the
+    tokens decoded since. Attention at step ``j`` is one softmax over both parts::
 
-        out = softmax([q K_old^T, q K_new[:j+1]^T] / sqrt(D)) [V_old; V_new[:j+1]]
+        out = softmax(scale * [q K_old^T, q K_new[:j+1]^T]) [V_old; V_new[:j+1]]
 
-    which equals attention over the paged cache without re-gathering it every step.
+    which equals attention over the paged cache without re-gathering it every step (with a sliding
+    window ``w``, the query at position ``pos0 + j`` sees the positions after ``pos0 + j - w``).
     """
 
     pos0: torch.Tensor  # [B] cache positions < pos0 are in keys/values
@@ -504,23 +495,40 @@ class DecodeWindow:
     step: int = 0
     layer: int = 0
 
+    @classmethod
+    def open(cls, kv: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor, block_size: int, steps: int) -> DecodeWindow:
+        """``kv`` [L, 2, S, Hk, D]; the rows' ``block_tables`` [B, W] and next ``positions`` [B]."""
+        nl, _, _, hk, d = kv.shape
+        bs = positions.shape[0]
+        pos0 = positions.clone()  # cache positions < pos0 exist before the window
+        t0 = max(block_size, -(-int(pos0.max()) // block_size) * block_size)
+        slots = gather_slots(block_tables, t0, block_size).flatten()
+        g = lambda c: c.index_select(0, slots).view(bs, t0, hk, d).transpose(1, 2).contiguous()  # noqa: E731
+        new = lambda: torch.zeros(nl, bs, hk, steps, d, dtype=kv.dtype, device=kv.device)  # noqa: E731
+        return cls(pos0=pos0, keys=[g(kv[i, 0]) for i in range(nl)], values=[g(kv[i, 1]) for i in range(nl)], new_k=new(), new_v=new())
+
     def push(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.layer = layer
         self.new_k[layer, :, :, self.step] = k
         self.new_v[layer, :, :, self.step] = v
 
-    def attend(self, q: torch.Tensor, _kc, _vc) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, _kc=None, _vc=None, scale: float | None = None, window: int | None = None) -> torch.Tensor:
         b, h, d = q.shape
         i, j = self.layer, self.step
         kold, vold = self.keys[i], self.values[i]
         hk = kold.shape[1]
         qg = q.view(b, hk, h // hk, d)
-        scale = 1.0 / math.sqrt(d)
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
         s_old = torch.matmul(qg, kold.transpose(-1, -2)).float() * scale  # [B, Hk, R, T0]
-        valid = torch.arange(kold.shape[2], device=q.device)[None, :] < self.pos0[:, None]
+        kpos = torch.arange(kold.shape[2], device=q.device)[None, :]
+        valid = kpos < self.pos0[:, None]
+        if window is not None:
+            valid = valid & (kpos > self.pos0[:, None] + j - window)
         s_old = s_old.masked_fill(~valid[:, None, None, :], float("-inf"))
         knew, vnew = self.new_k[i, :, :, : j + 1], self.new_v[i, :, :, : j + 1]
         s_new = torch.matmul(qg, knew.transpose(-1, -2)).float() * scale  # [B, Hk, R, j+1]
+        if window is not None and j + 1 > window:
+            s_new[..., : j + 1 - window] = float("-inf")
         probs = torch.softmax(torch.cat([s_old, s_new], -1), -1).to(q.dtype)
         t0 = kold.shape[2]
         out = torch.matmul(probs[..., :t0], vold) + torch.matmul(probs[..., t0:], vnew)

@@ -12,7 +12,7 @@ no HF cache, ``use_cache=False``). Everything else (embeddings, norms, rotary, M
 scaling or soft-capping of the logits) is the transformers model's own code.
 
 Slower than the native families: eager PyTorch, no CUDA graphs, no fused or Triton kernels, no
-CPU decode window, and each decode step gathers its rows' K/V. Refused with a clear error: a model
+CPU decode window; a decode window gathers its rows' K/V once (:class:`~.runner.DecodeWindow`). Refused with a clear error: a model
 whose attention does not go through the interface on every layer (e.g. recurrent or hybrid
 layers), attention logit soft-capping, attention sinks, and K/V head shapes that differ from the
 config's (multi-head latent attention).
@@ -29,6 +29,7 @@ from torch import nn
 from miles_core.errors import ConfigError
 from miles_core.rollout.engine_core.attention import AttnBatch, decode_attention_torch, paged_attention
 from miles_core.rollout.engine_core.config import EngineConfig
+from miles_core.rollout.engine_core.runner import DecodeWindow
 
 ATTENTION = "miles_paged"  # the attention implementation name registered in transformers
 
@@ -45,6 +46,7 @@ class PagedStep:
     block_tables: torch.Tensor | None = None  # decode: [B, W]
     ctx_lens: torch.Tensor | None = None  # decode: [B]
     max_ctx: int = 0  # decode: a multiple of the block size
+    window: DecodeWindow | None = None  # decode: the window's K/V gathered once (then block_tables etc. are unused)
     calls: int = 0
 
 
@@ -74,6 +76,9 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     vc.index_copy_(0, step.slots, v.to(vc.dtype))
     if step.prefill is not None:
         out = paged_attention(q, kc, vc, step.prefill, step.block_size, scale=scaling, window=sliding_window)
+    elif step.window is not None:
+        step.window.push(layer, k, v)
+        out = step.window.attend(q, scale=scaling, window=sliding_window)
     else:
         out = decode_attention_torch(q, kc, vc, step.block_tables, step.ctx_lens, step.block_size, step.max_ctx,
                                      scale=scaling, window=sliding_window)
@@ -135,6 +140,7 @@ class TransformersRunner:
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.qkv: list = []  # no fused projections: cpu_decode.supported() is False, the generic path decodes
         self.last_hidden = None
+        self._window: DecodeWindow | None = None
 
     # the native runner's fusions and graphs: nothing to do here
     def fuse(self) -> None:
@@ -147,10 +153,11 @@ class TransformersRunner:
         pass
 
     def begin_window(self, bs: int, steps: int) -> None:
-        pass
+        """Gather the rows' cached K/V once for the window's ``steps`` decode steps (:class:`~.runner.DecodeWindow`)."""
+        self._window = DecodeWindow.open(self.kv, self.block_tables[:bs], self.positions[:bs], self.block_size, steps)
 
     def end_window(self) -> None:
-        pass
+        self._window = None
 
     def samples_in_graph(self, st) -> bool:
         return False
@@ -191,5 +198,7 @@ class TransformersRunner:
         """One decode step of the first ``bs`` rows of the static buffers -> (logits [bs, V], no routing)."""
         pos, bt, p = self.positions[:bs], self.block_tables[:bs], self.block_size
         slots = bt.gather(1, (pos // p).clamp(max=self.max_blocks - 1)[:, None])[:, 0].long() * p + pos % p
-        paged = PagedStep(self.kv, slots, p, block_tables=bt, ctx_lens=self.ctx_lens[:bs], max_ctx=max_ctx)
+        paged = PagedStep(self.kv, slots, p, block_tables=bt, ctx_lens=self.ctx_lens[:bs], max_ctx=max_ctx, window=self._window)
+        if self._window is not None:
+            self._window.step = step
         return self._forward(self.tokens[:bs], pos, paged, 0), None
