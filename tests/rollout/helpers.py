@@ -27,10 +27,15 @@ def hf_config(family: str):
 
 def make_hf_model(family: str, path: Path, seed: int = 0):
     """A random fp32 HF model of ``family`` saved under ``path``; returns the HF module (eval)."""
+    return save_random_hf(hf_config(family), path, seed)
+
+
+def save_random_hf(config, path: Path, seed: int = 0):
+    """A random fp32 transformers model of ``config`` saved under ``path``; returns it (eval)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(family)).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # larger weights than the default init, so greedy paths are not all one token
         for p in model.parameters():
             if p.dim() > 1:

@@ -5,6 +5,7 @@ updates, memory release) unchanged."""
 
 import pytest
 import torch
+from helpers import save_random_hf
 
 from miles_core.errors import ConfigError
 from miles_core.rollout.base import SamplingParams
@@ -40,16 +41,7 @@ def config(arch: str, **over):
 
 def make_model(arch: str, path, seed: int = 0, **over):
     """A random fp32 transformers model saved under ``path``; returns it (eval)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config(arch, **over)).eval()
-    with torch.no_grad():  # larger weights than the default init, so greedy paths are not all one token
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-    model.save_pretrained(path)
-    return model
+    return save_random_hf(config(arch, **over), path, seed)
 
 
 def run_all(core, prompts, params, n=1):
