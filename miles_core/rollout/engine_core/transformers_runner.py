@@ -12,10 +12,11 @@ no HF cache, ``use_cache=False``). Everything else (embeddings, norms, rotary, M
 scaling or soft-capping of the logits) is the transformers model's own code.
 
 Slower than the native families: eager PyTorch, no CUDA graphs, no fused or Triton kernels, no
-CPU decode window; a decode window gathers its rows' K/V once (:class:`~.runner.DecodeWindow`). Refused with a clear error: a model
-whose attention does not go through the interface on every layer (e.g. recurrent or hybrid
-layers), attention logit soft-capping, attention sinks, and K/V head shapes that differ from the
-config's (multi-head latent attention).
+CPU decode window; a decode window gathers its rows' K/V once (:class:`~.runner.DecodeWindow`).
+Refused with a clear error: a model whose attention does not go through the interface on every
+layer (e.g. recurrent or hybrid layers), attention logit soft-capping, attention sinks, and K/V
+head shapes that differ from the config's (multi-head latent attention). MoE models run, but their
+routing is not recorded.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
         raise ConfigError("this model soft-caps its attention logits, which the engine's transformers path does not support")
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise ConfigError("this model uses attention sinks, which the engine's transformers path does not support")
-    layer = module.layer_idx
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise ConfigError(f"attention module {type(module).__name__} has no layer_idx: the engine cannot tell its cache layer")
     kv = step.kv
     if key.shape[1] != kv.shape[3] or key.shape[-1] != kv.shape[4] or value.shape[-1] != kv.shape[4]:
         raise ConfigError(f"layer {layer}'s K/V heads {tuple(key.shape[1::2])}/{tuple(value.shape[1::2])} do not match the "
