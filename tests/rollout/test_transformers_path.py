@@ -31,6 +31,7 @@ def config(arch: str, **over):
         "granite": lambda: T.GraniteConfig(attention_multiplier=0.3, embedding_multiplier=2.0, logits_scaling=1.5,
                                            residual_multiplier=0.7, **gqa),  # its own attention scale
         "phi3": lambda: T.Phi3Config(**gqa),  # fused qkv and gate/up weights
+        "mixtral": lambda: T.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **gqa),  # MoE (routing not recorded)
         "gemma2": lambda: T.Gemma2Config(head_dim=8, **gqa),  # attention logit soft-capping: refused
     }[arch]
     cfg = make()
@@ -62,7 +63,7 @@ def hf_logprobs(hf, prompt, output):
     return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(output)[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mistral", "gpt_neox", "granite", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "gpt_neox", "granite", "phi3", "mixtral"])
 def test_greedy_and_logprobs_match_transformers(arch, tmp_path):
     hf = make_model(arch, tmp_path)
     model = load_transformers_model(tmp_path)
