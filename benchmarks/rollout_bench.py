@@ -198,9 +198,10 @@ def main() -> None:
             (("rmsnorm", model.model.norm.op), ("rope", model.model.layers[0].self_attn.rope), ("swiglu", model.model.layers[0].mlp.act))})
     if dev.type == "cuda":
         print(f"roofline at {hbm_bytes_per_s(device_name) / 1e12:.2f} TB/s of HBM bandwidth")
-    print(f"engine: triton decode {getattr(core.runner, 'use_triton', False)}, fused layer kernels {getattr(core.runner, 'fused_kernels', False)}, split-K {getattr(core.runner, 'splitk', False)}, "
-          f"gated {getattr(core.runner, 'gated', False)}, fused attention {cfg.fused_attention}, attention launch {getattr(core.runner, 'attn_launch', None) or 'default'}, PDL {getattr(core.runner, 'pdl', False)} (prefetch {cfg.pdl_prefetch}), "
-          f"cuda graphs {getattr(core.runner, 'use_graphs', False)} (sampling inside {cfg.graph_sampling}), decode steps/sync {cfg.decode_steps}, overlapped windows {cfg.overlap_windows}, kernels {ops}")
+    run = {k: getattr(core.runner, k, False) for k in ("use_triton", "fused_kernels", "splitk", "gated", "pdl", "use_graphs")}
+    print(f"engine: triton decode {run['use_triton']}, fused layer kernels {run['fused_kernels']}, split-K {run['splitk']}, "
+          f"gated {run['gated']}, fused attention {cfg.fused_attention}, attention launch {getattr(core.runner, 'attn_launch', None) or 'default'}, PDL {run['pdl']} (prefetch {cfg.pdl_prefetch}), "
+          f"cuda graphs {run['use_graphs']} (sampling inside {cfg.graph_sampling}), decode steps/sync {cfg.decode_steps}, overlapped windows {cfg.overlap_windows}, kernels {ops}")
     head = f"{'batch':>6} | {'engine tok/s':>12} | {'HF tok/s':>10} | {'speedup':>8} | {'roofline':>8} | identical"
     print(head + "\n" + "-" * len(head))
     for r in rows:
@@ -212,8 +213,8 @@ def main() -> None:
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         meta = {"preset": args.preset, "temperature": args.temperature, "device": device_name, "torch": torch.__version__, "config": vars(a),
-                "triton_decode": getattr(core.runner, 'use_triton', False), "fused_kernels": getattr(core.runner, 'fused_kernels', False), "splitk_gemm": getattr(core.runner, 'splitk', False), "cuda_graphs": getattr(core.runner, 'use_graphs', False),
-                "gated_gemm": getattr(core.runner, 'gated', False), "pdl": getattr(core.runner, 'pdl', False), "overlap_windows": cfg.overlap_windows, "fused_attention": cfg.fused_attention}
+                "triton_decode": run["use_triton"], "fused_kernels": run["fused_kernels"], "splitk_gemm": run["splitk"], "cuda_graphs": run["use_graphs"],
+                "gated_gemm": run["gated"], "pdl": run["pdl"], "overlap_windows": cfg.overlap_windows, "fused_attention": cfg.fused_attention}
         (Path(out) / f"rollout_bench{'_t' + str(args.temperature) if args.temperature > 0 else ''}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 

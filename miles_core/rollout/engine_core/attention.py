@@ -75,12 +75,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out.transpose(1, 2).reshape(b * qmax, h, d)[meta.q_index]
 
 
-def decode_attention_torch(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int, max_ctx: int,
-                           scale: float | None = None, window: int | None = None) -> torch.Tensor:
+def decode_attention_torch(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int, max_ctx: int) -> torch.Tensor:
     """Decode (one new token per row): ``q`` [B, H, D] -> [B, H, D]; static shapes (graph-safe).
 
-    ``softmax(scale * q K^T) V`` per row over its first ``ctx_lens[b]`` cache positions (the last
-    ``window`` of them with a window), with the
+    ``softmax(q K^T / sqrt(D)) V`` per row over its first ``ctx_lens[b]`` cache positions, with the
     ``R = H / Hk`` query heads of a group sharing one gathered K/V (no ``repeat_interleave``).
     """
     b, h, d = q.shape
@@ -90,12 +88,9 @@ def decode_attention_torch(q, k_cache, v_cache, block_tables, ctx_lens, block_si
     k = k_cache.index_select(0, slots).view(b, max_ctx, hk, d).transpose(1, 2).contiguous()
     v = v_cache.index_select(0, slots).view(b, max_ctx, hk, d).transpose(1, 2).contiguous()
     qg = q.view(b, hk, h // hk, d)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(d) if scale is None else scale)  # [B, Hk, R, T]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(d))  # [B, Hk, R, T]
     kpos = torch.arange(max_ctx, device=q.device)
-    mask = kpos[None, :] < ctx_lens[:, None]
-    if window is not None:  # the query sits at position ctx - 1
-        mask = mask & (kpos[None, :] >= ctx_lens[:, None] - window)
-    mask = mask | ((ctx_lens[:, None] == 0) & (kpos[None, :] == 0))  # rows with ctx 0 (padding) see slot 0
+    mask = (kpos[None, :] < ctx_lens[:, None]) | (kpos[None, :] == 0)  # rows with ctx 0 (padding) see slot 0
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, -1).to(v.dtype)
     return torch.matmul(probs, v).reshape(b, h, d)

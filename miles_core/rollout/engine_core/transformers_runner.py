@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from miles_core.errors import ConfigError
-from miles_core.rollout.engine_core.attention import AttnBatch, decode_attention_torch, paged_attention
+from miles_core.rollout.engine_core.attention import AttnBatch, paged_attention
 from miles_core.rollout.engine_core.config import EngineConfig
 from miles_core.rollout.engine_core.runner import DecodeWindow
 
@@ -38,16 +38,13 @@ ATTENTION = "miles_paged"  # the attention implementation name registered in tra
 @dataclass
 class PagedStep:
     """What one forward's attention calls need: the cache, where the step's tokens go, and either the
-    prefill metadata or the decode rows' tables. ``calls`` counts the layers that attended."""
+    prefill metadata or the decode window. ``calls`` counts the layers that attended."""
 
     kv: torch.Tensor  # [L, 2, S, Hk, D]
     slots: torch.Tensor  # [N] cache slot of each of the step's tokens
     block_size: int
     prefill: AttnBatch | None = None
-    block_tables: torch.Tensor | None = None  # decode: [B, W]
-    ctx_lens: torch.Tensor | None = None  # decode: [B]
-    max_ctx: int = 0  # decode: a multiple of the block size
-    window: DecodeWindow | None = None  # decode: the window's K/V gathered once (then block_tables etc. are unused)
+    window: DecodeWindow | None = None  # decode: the window's K/V, gathered once
     calls: int = 0
 
 
@@ -79,12 +76,9 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     vc.index_copy_(0, step.slots, v.to(vc.dtype))
     if step.prefill is not None:
         out = paged_attention(q, kc, vc, step.prefill, step.block_size, scale=scaling, window=sliding_window)
-    elif step.window is not None:
+    else:
         step.window.push(layer, k, v)
         out = step.window.attend(q, scale=scaling, window=sliding_window)
-    else:
-        out = decode_attention_torch(q, kc, vc, step.block_tables, step.ctx_lens, step.block_size, step.max_ctx,
-                                     scale=scaling, window=sliding_window)
     step.calls += 1
     return out[None], None
 
@@ -190,18 +184,20 @@ class TransformersRunner:
     @torch.no_grad()
     def prefill(self, input_ids, positions, slots, meta: AttnBatch, logits_index):
         """Flat prefill of chunks of several sequences -> (logits [M, V] at ``logits_index`` or None, no routing)."""
-        step = PagedStep(self.kv, slots, self.block_size, prefill=meta)
-        if not logits_index.numel():
-            self._forward(input_ids, positions, step, logits_index)
-            return None, None
-        return self._forward(input_ids, positions, step, logits_index), None
+        logits = self._forward(input_ids, positions, PagedStep(self.kv, slots, self.block_size, prefill=meta), logits_index)
+        return (logits if logits_index.numel() else None), None
 
     @torch.no_grad()
     def decode(self, bs: int, max_ctx: int, step: int = 0) -> tuple[torch.Tensor, None]:
-        """One decode step of the first ``bs`` rows of the static buffers -> (logits [bs, V], no routing)."""
+        """One decode step of the first ``bs`` rows of the static buffers -> (logits [bs, V], no routing). Step
+        ``step`` of the window :meth:`begin_window` opened (a one-step window of its own when none is open)."""
+        own = self._window is None
+        if own:
+            self.begin_window(bs, 1)
         pos, bt, p = self.positions[:bs], self.block_tables[:bs], self.block_size
         slots = bt.gather(1, (pos // p).clamp(max=self.max_blocks - 1)[:, None])[:, 0].long() * p + pos % p
-        paged = PagedStep(self.kv, slots, p, block_tables=bt, ctx_lens=self.ctx_lens[:bs], max_ctx=max_ctx, window=self._window)
-        if self._window is not None:
-            self._window.step = step
-        return self._forward(self.tokens[:bs], pos, paged, 0), None
+        self._window.step = 0 if own else step
+        logits = self._forward(self.tokens[:bs], pos, PagedStep(self.kv, slots, p, window=self._window), 0)
+        if own:
+            self.end_window()
+        return logits, None
