@@ -1,6 +1,6 @@
 """The CPU decode window (engine.cpu_decode_window, the CPU default) against the generic eager path
 (runner.decode over the paged cache): the same tokens, logprobs within 1e-5, the same MoE routing;
-its kept K/V buffer reused across windows and grown; the K/V it writes back to the pages right."""
+its kept K/V buffer reused across windows, sized once or grown under the memory budget; the K/V it writes back to the pages right."""
 
 import pytest
 import torch
@@ -55,23 +55,46 @@ def test_window_matches_generic_path_greedy_sampled_stops_and_joins():
         assert torch.allclose(torch.tensor([v for _, v in g]), torch.tensor([v for _, v in r]), atol=1e-5)
 
 
-def test_buffer_is_kept_across_windows_and_grows():
+def test_buffer_is_kept_across_windows_and_sized_once():
     model = tiny(1)
     core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3))
     gathers, caps = [], []
     gather, reset = core._cpu._gather, core._cpu.reset
-    core._cpu._gather = lambda *a: (gathers.append(a[2]), gather(*a))[1]  # spies: the gathers from pages,
-    core._cpu.reset = lambda: (caps.append(core._cpu.bias.shape[1]), reset())[1]  # the capacity when freed
+    core._cpu._gather = lambda *a: (gathers.append(a[2:4]), gather(*a))[1]  # spies: the gathers from pages,
+    core._cpu.reset = lambda: (caps.append(core._cpu.mask.shape[-1]), reset())[1]  # the capacity when freed
     params = SamplingParams(max_new_tokens=60, temperature=0.8, seed=4)
     group = core.add_request(P[1], params, n=2)
     while core.has_unfinished():
         core.step()
     # ~21 windows, 3 batches: the first sample alone (the second waits for its prompt pages), both,
-    # the second alone (it started a window later, so it ends a window later): 3 gathers, not 21
-    assert gathers == [5, 8, 62]
-    assert caps[0] >= 5 + 60 and core._cpu.kt is None  # grew past its first 8 + 3 + 12 columns; freed at the end
+    # the second alone (it started a window later, so it ends a window later): 3 gathers, not 21 --
+    # each sized for what its rows can still decode (max position, tokens left), never regrown
+    n = len(P[1])
+    assert gathers == [(n, 60), (n + 3, 60), (n + 57, 3)]  # the later sample 3 tokens behind, then alone
+    # freed at the end, no larger than the generation plus a page of rounding and a window of overrun
+    assert core._cpu.kt is None and n + 60 <= caps[0] <= n + 60 + 4 + 3
     ref, _ = run(model, False, [(P[1], SamplingParams(max_new_tokens=60, temperature=0.8, seed=4 + i)) for i in range(2)])
     assert_same(group, ref)
+
+
+def test_buffer_grows_when_the_memory_budget_cuts_it():
+    """A long prompt beside a short one, both decoding ~60 tokens: the buffer's first size is cut
+    to the paged cache's slots per row, then it doubles; tokens and logprobs as the generic path's."""
+    model = tiny(1)
+    script = [(list(range(1, 41)), SamplingParams(max_new_tokens=55, temperature=0.8, seed=1)),
+              (P[1], SamplingParams(max_new_tokens=60, temperature=0.8, seed=2))]
+    cfg = dict(num_blocks=40, max_model_len=128)  # ~170 slots: ~85 per row, of which the context takes 40
+    core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3, **cfg))
+    caps = []
+    ensure = core._cpu._ensure_room
+    core._cpu._ensure_room = lambda k: (ensure(k), caps.append(core._cpu.mask.shape[-1]))[0]
+    got = [core.add_request(p, params)[0] for p, params in script]
+    while core.has_unfinished():
+        core.step()
+    first = 40 + (core.runner.kv.shape[2] // 2 - 40) + 3  # t0 + the budget's columns (< 60) + a window
+    assert caps[0] == first and max(caps) > first  # cut, then grown
+    ref, _ = run(model, False, script, **cfg)
+    assert_same(got, ref)
 
 
 def test_decoded_kv_written_back_to_pages():

@@ -34,7 +34,8 @@ PROMPTS = [Prompt(t, label=i) for i, t in enumerate(("abc?", "dd?", "eab?", "c?"
 def tiny(tmp_path_factory):
     torch.manual_seed(0)
     tok = CharTokenizer()
-    model = Decoder(DecoderConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64))
+    model = Decoder(DecoderConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                                  max_position_embeddings=16384))  # room for the long generations of the abort test
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
@@ -47,7 +48,8 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def backend(tiny, tmp_path_factory):
     model, tok, path = tiny
-    b = SglangBackend(SglangConfig(num_engines=2), tok, path, tmp_path_factory.mktemp("work"))
+    # a long context: test_abort_all_returns_partial_samples needs generations that outlast its wait
+    b = SglangBackend(SglangConfig(num_engines=2, server_args={"context_length": 16384}), tok, path, tmp_path_factory.mktemp("work"))
     yield b
     b.shutdown()
 
@@ -89,7 +91,7 @@ def test_sampled_logprobs_are_the_models(backend, tiny):
 
 
 def test_abort_all_returns_partial_samples(backend):
-    params = SamplingParams(max_new_tokens=3000, temperature=1.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=12000, temperature=1.0, ignore_eos=True)  # several seconds unaborted
     result = {}
     t = threading.Thread(target=lambda: result.update(s=backend.generate(PROMPTS[:4], params, n=2)))
     t.start()
@@ -98,8 +100,8 @@ def test_abort_all_returns_partial_samples(backend):
     t.join(60)
     samples = result["s"]
     assert len(samples) == 8
-    assert all(s.finish_reason == "abort" for s in samples)
-    assert all(0 < len(s.response_ids) < 3000 and len(s.rollout_logprobs) == len(s.response_ids) for s in samples)
+    assert all(s.finish_reason == "abort" for s in samples), [(s.finish_reason, len(s.response_ids)) for s in samples]
+    assert all(0 < len(s.response_ids) < 12000 and len(s.rollout_logprobs) == len(s.response_ids) for s in samples)
     # the next call is not aborted
     assert all(s.finish_reason == "length" for s in backend.generate(PROMPTS[:2], SamplingParams(max_new_tokens=3, temperature=0)))
 

@@ -166,6 +166,7 @@ def run(m, fused, splitk=False, gated=False, triton_decode=False, fused_attentio
     assert core.runner.fusable() and not core.runner.fused_kernels  # on by default only on a GPU with Triton
     core.runner.fused_kernels, core.runner.splitk, core.runner.gated = fused, splitk, gated
     core.runner.use_triton = triton_decode  # the GPU decode path (paged Triton attention), here in the interpreter
+    core.runner.fuse()  # the weights in the layout the Triton kernels read ([out, in]; on CPU they are kept transposed)
     prompts = [[3, 5, 7, 9, 11], [2, 4], [13] * 9]
     reqs = [core.add_request(p, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))[0] for p in prompts]
     while core.has_unfinished():

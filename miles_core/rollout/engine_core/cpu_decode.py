@@ -8,11 +8,12 @@ leaves each step only the model's own ops:
 * the rows' K/V live in contiguous buffers per layer, K transposed ``[B, Hk, D, cap]`` and V
   ``[B, Hk, cap, D]`` (the operands of two batched matmuls as they are): columns
   ``[0, used)`` hold each row's context (row ``b``'s valid columns are marked in an additive mask,
-  0 or -inf), step ``j`` writes its new K/V into column ``used + j`` and attends over columns
-  ``[0, used + j]``. The buffer is gathered from the pages when the batch changes, and kept for
-  the next window while the same requests decode on (the common case: a batch of rollouts);
-* the rotary tables, the per-step masks and the page slots of the ``K`` new tokens are built once
-  per window; after its last step the new K/V go into the paged cache with one ``index_copy_``
+  0 or -inf, one row per (row, KV head); the columns past ``used`` are 0), step ``j`` writes its
+  new K/V into column ``used + j`` and attends over columns ``[0, used + j]``. The buffer is
+  gathered from the pages when the batch changes, sized for the rows' whole generation
+  (prompt + max_new_tokens), and kept for the next window while the same requests decode on
+  (the common case: a batch of rollouts);
+* the rotary tables and the page slots of the ``K`` new tokens are built once per window; after its last step the new K/V go into the paged cache with one ``index_copy_``
   (the pages stay the truth: prefix sharing, preemption and the generic path read them).
 
 Attention at step ``j``, row ``b``, head ``h`` (``g(h)`` its KV head), ``s = 1/sqrt(D)``::
@@ -43,6 +44,7 @@ import torch.nn.functional as F
 from miles_core.kernels.rmsnorm import rmsnorm_torch
 from miles_core.kernels.rope import rope_torch
 from miles_core.rollout.engine_core.attention import gather_slots
+from miles_core.rollout.engine_core.scheduler import final_len
 
 
 @dataclass
@@ -62,8 +64,9 @@ class CpuDecoder:
     """Runs decode windows on CPU for one :class:`~.runner.ModelRunner`; keeps the last window's
     K/V buffer for the next window of the same requests."""
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, max_model_len: int) -> None:
         self.runner = runner
+        self.max_model_len = max_model_len  # the engine's (a request's final length is bounded by it)
         self._statics_key: tuple = ()
         self._statics: tuple = ()
         self.reset()
@@ -74,55 +77,62 @@ class CpuDecoder:
         self.next_pos: list[int] = []  # the position each row decodes next
         self.kt: torch.Tensor | None = None  # [L, B, Hk, D, cap] keys, transposed
         self.v: torch.Tensor | None = None  # [L, B, Hk, cap, D]
-        self.bias: torch.Tensor | None = None  # [B, cap] float32: 0 = column in the row's context, -inf = not
+        self.mask: torch.Tensor | None = None  # [B*Hk, 1, cap] additive: 0 = column in the row's context, -inf = not
         self.used = 0
 
     # ------------------------------------------------------------------ the K/V buffer
-    def _gather(self, pos0: torch.Tensor, block_tables: torch.Tensor, max_pos: int, steps: int) -> None:
+    def _gather(self, pos0: torch.Tensor, block_tables: torch.Tensor, max_pos: int, remaining: int, steps: int) -> None:
+        """Fill a new buffer with the rows' context (positions ``< pos0``), with room for
+        ``remaining`` more columns (the most tokens any row can still decode) plus a window's
+        overrun, as far as the memory budget allows: then one allocation serves the rows' whole
+        generation (growing the buffer copies every column). The budget: the buffer holds no more
+        token slots than the paged cache (``B * cap <= slots``), so it at most doubles KV memory."""
         run, p = self.runner, self.runner.block_size
         b, hk, d, nl = pos0.shape[0], run.kv_heads, run.head_dim, run.num_layers
         t0 = max(p, -(-max_pos // p) * p)
         old = run.kv.index_select(2, gather_slots(block_tables, t0, p).flatten())  # [L, 2, B*T0, Hk, D]
         old = old.view(nl, 2, b, t0, hk, d)
-        cap = _capacity(t0, steps)
+        cap = t0 + max(steps, min(remaining, run.kv.shape[2] // b - t0)) + steps
         self.kt = torch.empty(nl, b, hk, d, cap, dtype=run.dtype)
         self.v = torch.empty(nl, b, hk, cap, d, dtype=run.dtype)
         self.kt[..., :t0].copy_(old[:, 0].permute(0, 1, 3, 4, 2))
         self.v[..., :t0, :].copy_(old[:, 1].transpose(2, 3))
-        self.bias = torch.zeros(b, cap)
-        self.bias[:, :t0].masked_fill_(torch.arange(t0)[None, :] >= pos0[:, None], float("-inf"))
+        self.mask = torch.zeros(b * hk, 1, cap, dtype=run.dtype)  # one row per (row, KV head)
+        pad = (torch.arange(t0)[None, :] >= pos0[:, None])[:, None, :].expand(b, hk, t0).reshape(b * hk, 1, t0)
+        self.mask[..., :t0].masked_fill_(pad, float("-inf"))
         self.used = t0
 
     def _ensure_room(self, steps: int) -> None:
-        if self.used + steps <= self.bias.shape[1]:
+        """Grow the buffer (only when the memory budget cut its first size short): double it."""
+        u = self.used
+        if u + steps <= self.mask.shape[-1]:
             return
-        cap, u = _capacity(self.used, steps), self.used
+        cap = 2 * u + steps
         kt = self.kt.new_empty(*self.kt.shape[:4], cap)
         kt[..., :u].copy_(self.kt[..., :u])
         v = self.v.new_empty(*self.v.shape[:3], cap, self.v.shape[4])
         v[..., :u, :].copy_(self.v[..., :u, :])
-        bias = self.bias.new_zeros(self.bias.shape[0], cap)
-        bias[:, :u] = self.bias[:, :u]
-        self.kt, self.v, self.bias = kt, v, bias
+        mask = self.mask.new_zeros(*self.mask.shape[:2], cap)
+        mask[..., :u] = self.mask[..., :u]
+        self.kt, self.v, self.mask = kt, v, mask
 
-    def _window_statics(self, k: int) -> tuple:
+    def _window_statics(self) -> tuple:
         """What every window of ``k`` steps uses and no token changes: the layer plans, the rotary
         tables of every position (``model._rope``, [P, 1, D]; sin with its first half negated for
-        ``_rope_rolled``), the step masks of the new columns, the final norm and ``lm_head^T``.
-        Rebuilt when the fused weight lists (:meth:`~.runner.ModelRunner.fuse`), an op or ``k`` change."""
+        ``_rope_rolled``), the final norm and ``lm_head^T``. Rebuilt when the fused weight lists
+        (:meth:`~.runner.ModelRunner.fuse`) or an op change."""
         run, model = self.runner, self.runner.model
         layers = model.model.layers
-        key = (k, run.qkv, run.gate_up, model.lm_head.weight, *(layer.self_attn.rope for layer in layers))
+        key = (run.qkv, run.gate_up, model.lm_head.weight, *(layer.self_attn.rope for layer in layers))
         old = self._statics_key
-        if not (len(key) == len(old) and key[0] == old[0] and all(a is b for a, b in zip(key[1:], old[1:]))):
+        if not (len(key) == len(old) and all(a is b for a, b in zip(key, old))):
             d = run.head_dim
             rolled = all(layer.self_attn.rope is rope_torch for layer in layers)
             cos_t, sin_t = model._rope(torch.arange(run.max_blocks * run.block_size), run.dtype)  # [P, 1, D]
             if rolled:
                 sin_t = sin_t * torch.cat([-torch.ones(d // 2), torch.ones(d - d // 2)]).to(run.dtype)
-            new_cols = torch.zeros(k, k).masked_fill_(torch.ones(k, k, dtype=torch.bool).triu_(1), float("-inf"))  # step j sees new cols <= j
             plan = [_layer_plan(run, i, layer, rolled) for i, layer in enumerate(layers)]
-            self._statics = (plan, (cos_t, sin_t), new_cols, _norm(model.model.norm, run.dtype), model.lm_head.weight.t())
+            self._statics = (plan, (cos_t, sin_t), _norm(model.model.norm, run.dtype), model.lm_head.weight.t())
             self._statics_key = key
         return self._statics
 
@@ -138,31 +148,32 @@ class CpuDecoder:
         positions = [r.num_tokens - 1 for r in reqs]
         same = len(reqs) == len(self.rows) and all(x is y for x, y in zip(reqs, self.rows)) and positions == self.next_pos
         if not same:
-            self._gather(pos0, block_tables, max(positions), k)
+            remaining = max(final_len(r, self.max_model_len) - n for r, n in zip(reqs, positions))
+            self._gather(pos0, block_tables, max(positions), remaining, k)
         self._ensure_room(k)
         t0, kt, vw = self.used, self.kt, self.v
-        # the window's positions, rotary tables, page slots and per-step additive masks [K, B*Hk, 1, T0 + K]
+        # the window's positions, rotary tables and page slots
         wpos = pos0[:, None] + torch.arange(k)  # [B, K]
-        plan, (cos_t, sin_t), new_cols, fn, head_w = self._window_statics(k)
+        plan, (cos_t, sin_t), fn, head_w = self._window_statics()
         cos, sin = cos_t[wpos].transpose(1, 2), sin_t[wpos].transpose(1, 2)  # [B, 1, K, D]
         col = (wpos // p).clamp(max=block_tables.shape[1] - 1)
         wslots = block_tables.gather(1, col).long() * p + wpos % p  # [B, K]
-        masks = torch.cat([self.bias[:, :t0].expand(k, b, t0), new_cols[:, None, :].expand(k, b, k)], -1)  # [K, B, T0 + K]
-        masks = masks[:, :, None].expand(k, b, hk, t0 + k).reshape(k, b * hk, 1, t0 + k).to(run.dtype)  # one row per (row, KV head)
         fp32 = run.dtype == torch.float32  # else the softmax runs in fp32 (as the generic path's does)
 
         mc = model.config
         h, rep, scale = mc.num_heads, mc.num_heads // mc.num_kv_heads, d**-0.5
         nq, nk = h * d, hk * d
         embed = model.model.embed_tokens.weight
+        # per layer, views made once per window (indexing costs as much as a small op):
+        # K [B*Hk, D, cap] and V [B*Hk, cap, D] for the batched matmuls, [B, Hk, D] columns for the writes
+        k_mm = [x.view(b * hk, d, -1) for x in kt.unbind(0)]
+        v_mm = [x.view(b * hk, -1, d) for x in vw.unbind(0)]
         toks, lps, tops, routes = [], [], [], []
         tok = tokens
-        for j in range(k):
-            c, s = cos[:, :, j : j + 1], sin[:, :, j : j + 1]  # [B, 1, 1, D]
+        for j, (c, s) in enumerate(zip(cos.split(1, 2), sin.split(1, 2))):  # [B, 1, 1, D]
             end = t0 + j + 1
-            mask = masks[j][..., :end]
-            k_col, v_col = kt[..., t0 + j], vw[:, :, :, t0 + j]  # [L, B, Hk, D]: this step's column
-            k_ctx, v_ctx = kt[..., :end], vw[:, :, :, :end]  # the columns it attends to
+            mask = self.mask.narrow(2, 0, end)  # the window's own columns t0..t0+j are 0 (in context)
+            k_col, v_col = kt.select(4, t0 + j), vw.select(3, t0 + j)  # [L, B, Hk, D]: this step's column
             x = F.embedding(tok, embed)
             routed = []
             for i, (ln1, qkv_w, rope, qk_norm, o_w, ln2, mlp, gate_up, act, down_w) in enumerate(plan):
@@ -176,9 +187,9 @@ class CpuDecoder:
                     kk = rope(kn(qkv[:, nq : nq + nk].view(b, hk, d), kw, ke).view(b, hk, 1, d), c, s)
                 k_col[i].copy_(kk.view(b, hk, d))
                 v_col[i].copy_(qkv[:, nq + nk :].view(b, hk, d))
-                scores = torch.baddbmm(mask, q.reshape(b * hk, rep, d), k_ctx[i].view(b * hk, d, end), alpha=scale)  # [B*Hk, R, end]
+                scores = torch.baddbmm(mask, q.reshape(b * hk, rep, d), k_mm[i].narrow(2, 0, end), alpha=scale)  # [B*Hk, R, end]
                 probs = torch.softmax(scores, -1) if fp32 else torch.softmax(scores, -1, dtype=torch.float32).to(run.dtype)
-                o = torch.bmm(probs, v_ctx[i].view(b * hk, end, d))  # [B*Hk, R, D]
+                o = torch.bmm(probs, v_mm[i].narrow(1, 0, end))  # [B*Hk, R, D]
                 x = x + torch.mm(o.view(b, nq), o_w)
                 hn = ln2[0](x, ln2[1], ln2[2])
                 if gate_up is not None:
@@ -204,7 +215,7 @@ class CpuDecoder:
         nl, flat = run.num_layers, wslots.flatten()
         run.kv[:, 0].index_copy_(1, flat, kt[..., t0 : t0 + k].permute(0, 1, 4, 2, 3).reshape(nl, b * k, hk, d))
         run.kv[:, 1].index_copy_(1, flat, vw[..., t0 : t0 + k, :].transpose(2, 3).reshape(nl, b * k, hk, d))
-        self.used = t0 + k  # bias columns past the old `used` are 0 already: these are now context
+        self.used = t0 + k  # mask columns past the old `used` are 0 already: these are now context
         self.rows, self.next_pos = list(reqs), [x + k for x in positions]
         return WindowOut(torch.stack(toks, 1), torch.stack(lps, 1), tops, routes)
 
@@ -241,8 +252,3 @@ def _rope_rolled(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
     sin_signed`` exactly (negation commutes with rounding), one roll instead of two slices, a
     negation and a cat."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
-
-
-def _capacity(used: int, steps: int) -> int:
-    """Columns to allocate for ``used`` filled ones and ``steps`` more: room for several windows."""
-    return used + steps + max(4 * steps, used // 2)
