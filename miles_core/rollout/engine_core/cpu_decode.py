@@ -10,11 +10,13 @@ leaves each step only the model's own ops:
   ``[0, used)`` hold each row's context (row ``b``'s valid columns are marked in an additive mask,
   0 or -inf, one row per (row, KV head); the columns past ``used`` are 0), step ``j`` writes its
   new K/V into column ``used + j`` and attends over columns ``[0, used + j]``. The buffer is
-  gathered from the pages when the batch changes, sized for the rows' whole generation
-  (prompt + max_new_tokens), and kept for the next window while the same requests decode on
-  (the common case: a batch of rollouts);
-* the rotary tables and the page slots of the ``K`` new tokens are built once per window; after its last step the new K/V go into the paged cache with one ``index_copy_``
-  (the pages stay the truth: prefix sharing, preemption and the generic path read them).
+  gathered from the pages when the batch changes, sized for what the rows can still decode
+  (prompt + max_new_tokens; at most the paged cache's slots per row, doubled when that is short),
+  and kept for the next window while the same requests decode on (the common case: a batch of
+  rollouts);
+* the rotary tables and the page slots of the ``K`` new tokens are built once per window; after
+  its last step the new K/V go into the paged cache with one ``index_copy_`` (the pages stay the
+  truth: prefix sharing, preemption and the generic path read them).
 
 Attention at step ``j``, row ``b``, head ``h`` (``g(h)`` its KV head), ``s = 1/sqrt(D)``::
 
@@ -117,7 +119,7 @@ class CpuDecoder:
         self.kt, self.v, self.mask = kt, v, mask
 
     def _window_statics(self) -> tuple:
-        """What every window of ``k`` steps uses and no token changes: the layer plans, the rotary
+        """What every window uses and no token changes: the layer plans, the rotary
         tables of every position (``model._rope``, [P, 1, D]; sin with its first half negated for
         ``_rope_rolled``), the final norm and ``lm_head^T``. Rebuilt when the fused weight lists
         (:meth:`~.runner.ModelRunner.fuse`) or an op change."""
