@@ -15,6 +15,10 @@ embedding is counted once as the lm_head).
 
 GPU (H200):  python benchmarks/rollout_bench.py --preset gpu
 CPU:         python benchmarks/rollout_bench.py --preset cpu
+             python benchmarks/rollout_bench.py --preset quickstart   # `miles run`'s own rollout: 64 prompts x 8
+                                                                       # samples, 7 new tokens, temperature 1
+With ``--samples-per-prompt n`` (the quickstart preset: 8) a batch of B sequences is B/n prompts sampled n times
+each: the engine's ``add_request(n=n)`` (the samples share the prompt's KV), HF's ``num_return_sequences=n``.
 If env OUT is set, the table is also written to $OUT/rollout_bench.json.
 """
 
@@ -54,6 +58,11 @@ PRESETS = {
     # the quickstart model's size, fp32
     "cpu": dict(family="llama", hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, inter=384, vocab=53,
                 tie=True, dtype="float32", batches="1,16,64", prompt_len=128, new_tokens=256),
+    # the quickstart model and the shape of its rollouts (miles_core/recipes/quickstart.yaml: rollout.batch_size 64,
+    # n_samples_per_prompt 8, max_response_len 7, temperature 1; its prompts are a few characters)
+    "quickstart": dict(family="llama", hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, inter=384, vocab=53,
+                       tie=True, dtype="float32", batches="512", prompt_len=8, new_tokens=7, samples_per_prompt=8,
+                       temperature=1.0),
 }
 
 
@@ -71,9 +80,10 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def bench_hf(hf, prompts, new_tokens, dev, temperature=0.0):
+def bench_hf(hf, prompts, new_tokens, dev, temperature=0.0, n=1):
     ids = torch.tensor(prompts, device=dev)
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+              num_return_sequences=n)
     kw.update(dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False))
     hf.generate(ids[:, :8], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4, "attention_mask": torch.ones_like(ids[:, :8])})
     sync(dev)
@@ -85,12 +95,12 @@ def bench_hf(hf, prompts, new_tokens, dev, temperature=0.0):
     return dt, out[:, ids.shape[1]:]
 
 
-def bench_engine(core, prompts, new_tokens, dev, temperature=0.0):
+def bench_engine(core, prompts, new_tokens, dev, temperature=0.0, n=1):
     params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, ignore_eos=True)
 
     def run(ps):
         core.flush_cache()  # the timed run must not find the warm-up's prompts in the prefix cache
-        reqs = [core.add_request(p, params)[0] for p in ps]
+        reqs = [r for p in ps for r in core.add_request(p, params, n=n)]
         while core.has_unfinished():
             core.step()
         return reqs
@@ -126,15 +136,24 @@ def main() -> None:
     ap.add_argument("--no-fused", action="store_true", help="engine: without the fused Triton layer kernels (triton_fused.py)")
     ap.add_argument("--transformers-path", action="store_true", help="engine: run the model through transformers' own modules "
                     "over the paged cache (the path of architectures with no Miles family; transformers_runner.py)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default); > 0 samples (top-k/top-p off)")
+    ap.add_argument("--temperature", type=float, default=None, help="0 = greedy (the default but for the quickstart "
+                    "preset's 1.0); > 0 samples (top-k/top-p off)")
+    ap.add_argument("--samples-per-prompt", type=int, default=None, help="samples per prompt (default: the preset's, else 1)")
     args = ap.parse_args()
     a = argparse.Namespace(**PRESETS[args.preset])
     for k in ("batches", "prompt_len", "new_tokens"):
         if getattr(args, k) is not None:
             setattr(a, k, getattr(args, k))
+    if args.temperature is None:
+        args.temperature = PRESETS[args.preset].get("temperature", 0.0)
+    n = args.samples_per_prompt or PRESETS[args.preset].get("samples_per_prompt", 1)
+    if n > 1 and args.temperature == 0:
+        ap.error("--samples-per-prompt > 1 needs --temperature > 0 (greedy samples of one prompt are all the same)")
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = torch.device("cuda" if args.preset == "gpu" else "cpu")
+    if any(int(x) % n for x in str(a.batches).split(",")):
+        ap.error(f"each batch size must be a multiple of --samples-per-prompt ({n})")
     dtype = getattr(torch, a.dtype)
     batches = [int(b) for b in str(a.batches).split(",")]
 
@@ -174,11 +193,11 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     rows = []
     for b in batches:
-        prompts = torch.randint(1, a.vocab, (b, a.prompt_len), generator=gen).tolist()
-        e_dt, e_out = bench_engine(core, prompts, a.new_tokens, dev, args.temperature)
+        prompts = torch.randint(1, a.vocab, (b // n, a.prompt_len), generator=gen).tolist()
+        e_dt, e_out = bench_engine(core, prompts, a.new_tokens, dev, args.temperature, n)
         row = {"batch": b, "engine_tok_s": b * a.new_tokens / e_dt, "engine_s": e_dt}
         if not args.skip_hf:
-            h_dt, h_out = bench_hf(hf, prompts, a.new_tokens, dev, args.temperature)
+            h_dt, h_out = bench_hf(hf, prompts, a.new_tokens, dev, args.temperature, n)
             row.update(hf_tok_s=b * a.new_tokens / h_dt, hf_s=h_dt, speedup=h_dt / e_dt)
             if args.temperature == 0:  # sampled outputs differ by construction (different random streams)
                 same = sum(x == y for x, y in zip(e_out, h_out.tolist()))
@@ -192,6 +211,7 @@ def main() -> None:
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(f"\nrollout benchmark — {args.preset} preset on {device_name}, torch {torch.__version__}, "
           f"{a.family} hidden {a.hidden} x {a.layers} layers, {a.dtype}, prompt {a.prompt_len}, new {a.new_tokens}, "
+          + (f"{n} samples per prompt, " if n > 1 else "")
           + (f"temperature {args.temperature}" if args.temperature > 0 else "greedy"))
     ops = ({"transformers path": type(model).__name__} if args.transformers_path else
            {name: getattr(fn, "__name__", str(fn)) for name, fn in
@@ -212,7 +232,7 @@ def main() -> None:
     out = os.environ.get("OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        meta = {"preset": args.preset, "temperature": args.temperature, "device": device_name, "torch": torch.__version__, "config": vars(a),
+        meta = {"preset": args.preset, "temperature": args.temperature, "samples_per_prompt": n, "device": device_name, "torch": torch.__version__, "config": vars(a),
                 "triton_decode": run["use_triton"], "fused_kernels": run["fused_kernels"], "splitk_gemm": run["splitk"], "cuda_graphs": run["use_graphs"],
                 "gated_gemm": run["gated"], "pdl": run["pdl"], "overlap_windows": cfg.overlap_windows, "fused_attention": cfg.fused_attention}
         (Path(out) / f"rollout_bench{'_t' + str(args.temperature) if args.temperature > 0 else ''}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -66,11 +66,11 @@ def test_buffer_is_kept_across_windows_and_sized_once():
     group = core.add_request(P[1], params, n=2)
     while core.has_unfinished():
         core.step()
-    # ~21 windows, 3 batches: the first sample alone (the second waits for its prompt pages), both,
-    # the second alone (it started a window later, so it ends a window later): 3 gathers, not 21 --
-    # each sized for what its rows can still decode (max position, tokens left), never regrown
+    # ~20 windows, one batch: the second sample is forked from the first when it draws its first
+    # token, so both decode together from the first window: 1 gather, not 20, sized for what the
+    # rows can still decode (max position, tokens left) and never regrown
     n = len(P[1])
-    assert gathers == [(n, 60), (n + 3, 60), (n + 57, 3)]  # the later sample 3 tokens behind, then alone
+    assert gathers == [(n, 60)]
     # freed at the end, no larger than the generation plus a page of rounding and a window of overrun
     assert core._cpu.kt is None and n + 60 <= caps[0] <= n + 60 + 4 + 3
     ref, _ = run(model, False, [(P[1], SamplingParams(max_new_tokens=60, temperature=0.8, seed=4 + i)) for i in range(2)])

@@ -9,6 +9,7 @@ from helpers import tiny
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engine_core.config import EngineConfig
 from miles_core.rollout.engine_core.core import EngineCore
+from miles_core.rollout.engine_core.request import Status
 
 
 def engine(model=None, **kw):
@@ -54,9 +55,13 @@ def test_group_shares_prompt_pages_and_matches_unshared():
     prompt = list(range(1, 23))  # 22 tokens: 5 full pages of 4
     core = engine()
     group = core.add_request(prompt, SamplingParams(max_new_tokens=6, temperature=1.0, seed=5), n=4)
+    core.step()
+    # the followers are forked from the leader when it draws its first token: none recomputes any of
+    # the prompt; its 5 full pages are shared, its partial 6th page copied
+    assert all(len(r.output_ids) == 1 for r in group)
+    assert all(r.block_ids[:5] == group[0].block_ids[:5] and r.block_ids[5] != group[0].block_ids[5] for r in group[1:])
     drain(core)
-    assert group[0].num_cached == 0
-    assert [r.num_cached for r in group[1:]] == [20, 20, 20]  # every full page of the prompt shared
+    assert [r.num_cached for r in group] == [0, 22, 22, 22]
     outs = [r.output_ids for r in group]
     assert len({tuple(o) for o in outs}) > 1  # the samples differ (seeds 5, 6, 7, 8)
     for i, r in enumerate(group):
@@ -65,14 +70,35 @@ def test_group_shares_prompt_pages_and_matches_unshared():
         assert torch.allclose(torch.tensor(r.logprobs), torch.tensor(ref.logprobs), atol=1e-5)
 
 
+def test_fork_waits_for_pages_and_survives_a_leader_that_ends_at_once():
+    prompt = list(range(1, 18))  # 17 tokens: 4 full pages of 4 and one partial
+    core = engine(num_blocks=7, max_model_len=20)
+    assert core.blocks.num_free == 6
+    group = core.add_request(prompt, SamplingParams(max_new_tokens=3, temperature=1.0, seed=3), n=3)
+    core.step()  # the leader's prefill takes 5 pages; one follower forks onto the last free one, the other waits
+    assert [r.status for r in group] == [Status.RUNNING, Status.RUNNING, Status.WAITING] and core.blocks.num_free == 0
+    drain(core)
+    assert [r.num_cached for r in group] == [0, 17, 16]  # the late one: the 4 full pages, through the prefix cache
+    for i, r in enumerate(group):
+        ref = alone(prompt, SamplingParams(max_new_tokens=3, temperature=1.0, seed=3 + i))
+        assert r.output_ids == ref.output_ids
+        assert torch.allclose(torch.tensor(r.logprobs), torch.tensor(ref.logprobs), atol=1e-5)
+    # one new token each: the leader finishes on its first token, after its followers were forked from its pages
+    core = engine()
+    free0 = core.blocks.num_free
+    group = core.add_request(prompt, SamplingParams(max_new_tokens=1, temperature=1.0, seed=9), n=3)
+    core.step()
+    assert all(r.finished and len(r.output_ids) == 1 for r in group) and not core.has_unfinished()
+    assert [r.output_ids for r in group] == [alone(prompt, SamplingParams(max_new_tokens=1, temperature=1.0, seed=9 + i)).output_ids for i in range(3)]
+    assert core.blocks.num_free == free0
+
+
 def test_shared_pages_are_refcounted_and_freed():
     core = engine(num_blocks=40)
     free0 = core.blocks.num_free
     group = core.add_request(list(range(1, 18)), SamplingParams(max_new_tokens=10, temperature=0), n=3)
-    core.step()  # the leader's prefill: 17 tokens -> 5 pages, 4 full ones cached
-    assert core.blocks.num_free == free0 - 5
-    core.step()
-    core.step()  # followers admitted, each reusing the 4 full pages: one page of their own
+    core.step()  # the leader's prefill: 17 tokens -> 5 pages; the followers forked: its 4 full pages + one page each
+    assert core.blocks.num_free == free0 - 5 - 2
     shared = group[0].block_ids[:4]
     assert all(r.block_ids[:4] == shared for r in group)
     assert all(core.blocks.ref[b] == 3 for b in shared)

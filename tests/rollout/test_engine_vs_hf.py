@@ -52,3 +52,21 @@ def test_moe_routed_experts_match_transformers_router(tmp_path):
     assert routed.shape == (len(req.prompt_ids) + 5, 2, 2)
     for li in range(2):
         assert torch.equal(routed[:, li].sort(-1).values, seen[li].sort(-1).values)
+
+
+def test_moe_group_samples_carry_their_prompts_routing(tmp_path):
+    """The samples of a group forked from their leader get the prompt's routing from it: each sample's
+    routing (prompt + the tokens it fed) equals that of the same sample decoded alone."""
+    make_hf_model("qwen3_moe", tmp_path)
+    model = load_miles(tmp_path)
+    core = EngineCore(model, EngineConfig(block_size=4, decode_steps=2))
+    group = core.add_request(PROMPTS[0], SamplingParams(max_new_tokens=6, temperature=1.0, seed=4), n=3)
+    while core.has_unfinished():
+        core.step()
+    assert group[1].num_cached == len(PROMPTS[0])  # forked: nothing of the prompt recomputed
+    for i, g in enumerate(group):
+        (alone,) = run_all(EngineCore(model, EngineConfig(block_size=4, decode_steps=2)), PROMPTS[:1],
+                           SamplingParams(max_new_tokens=6, temperature=1.0, seed=4 + i))
+        assert g.output_ids == alone.output_ids
+        routed = torch.cat(g.routed_experts)
+        assert routed.shape == (len(PROMPTS[0]) + 5, 2, 2) and torch.equal(routed, torch.cat(alone.routed_experts))

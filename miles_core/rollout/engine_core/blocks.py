@@ -6,9 +6,12 @@ t % block_size``. Page 0 is reserved: padding rows of a CUDA-graph batch write t
 
 Prefix sharing: a *full* page is immutable, so it can be shared. Each full page gets a key
 ``(key of the previous page, its tokens)``; a new sequence whose prompt starts with the same
-tokens takes the cached pages (reference count + 1) and computes only the rest. This is how the
-``n`` samples of a group share their prompt's KV: the first sample prefills the prompt, the others
-find its full pages and recompute at most the last partial page. A page whose count drops to 0
+tokens takes the cached pages (reference count + 1) and computes only the rest. The ``n`` samples
+of a group share their prompt's KV: the first sample prefills the prompt, and when it draws its
+first token the others waiting for it are forked from it (:meth:`fork`: its full pages shared, its
+partial last page copied, their first tokens drawn from its logits), so none of them recomputes
+any of the prompt; a sample that could not be forked then (no free slot or page) finds the full
+pages in the prefix cache later and recomputes at most the last partial page. A page whose count drops to 0
 stays cached (evictable, least recently used first) until its slot is needed.
 """
 
@@ -89,6 +92,22 @@ class BlockManager:
         req.block_ids = reuse + [self._take() for _ in range(need)]
         req.num_computed = req.num_cached = len(reuse) * bs
         self.hits += req.num_cached
+        return True
+
+    def fork(self, src: Request, dst: Request, num_tokens: int) -> bool:
+        """Give ``dst`` (holding no pages) the pages of ``src``'s first ``num_tokens`` tokens, all
+        computed: the full pages shared (reference count + 1), the partial last one, if any, a fresh
+        page the caller fills with a copy of ``src``'s. False if memory is short."""
+        assert not dst.block_ids
+        bs = self.block_size
+        full = num_tokens // bs
+        tail = 1 if num_tokens % bs else 0
+        if tail > self.num_free:
+            return False
+        for b in src.block_ids[:full]:
+            self.ref[b] += 1  # in use by src: not evictable
+        dst.block_ids = src.block_ids[:full] + [self._take() for _ in range(tail)]
+        self.hits += num_tokens
         return True
 
     def grow(self, req: Request, num_tokens: int) -> bool:

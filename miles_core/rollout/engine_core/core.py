@@ -301,19 +301,48 @@ class EngineCore:
             self.blocks.commit(req)
         if not sample_reqs:
             return []
+        # the waiting samples of groups whose leader has just computed its prompt start from its pages and logits
+        leaders = [r for r in sample_reqs if r.leader is None and not r.output_ids]
+        forked = self.scheduler.fork_followers(leaders) if leaders else []
+        rows = list(range(len(sample_reqs)))
+        if forked:
+            self._copy_prompt_tails(forked)
+            row_of = {id(r): i for i, r in enumerate(sample_reqs)}
+            rows += [row_of[id(f.leader)] for f in forked]
+            if routed is not None:  # the prompt's routing: the leader's (it has decoded nothing yet)
+                for f in forked:
+                    f.routed_experts = [torch.cat(f.leader.routed_experts)]
+            sample_reqs = sample_reqs + forked
+            logits = logits[to_device(rows, torch.long, dev)]
         st = SamplingTensors.build([r.params for r in sample_reqs], [r.seed for r in sample_reqs], dev)
         counters = to_device([len(r.output_ids) for r in sample_reqs], torch.long, dev)
         tok, lp, top = sample(logits, st, counters)
-        lp = self._op_logprobs(tok, lp, st)
+        lp = self._op_logprobs(tok, lp, st, rows if forked else None)
         toks, lps = tok.tolist(), lp.tolist()
         tops = _top_lists(top, [r.params.top_logprobs for r in sample_reqs])
         return [self._append(r, [toks[i]], [lps[i]], [tops[i]] if tops else None) for i, r in enumerate(sample_reqs)]
 
-    def _op_logprobs(self, tok: torch.Tensor, lp: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-        """The trainer's logprob of each sampled token (rows grouped by temperature; 0 = greedy -> 1)."""
+    def _copy_prompt_tails(self, forked: list[Request]) -> None:
+        """Copy each forked sample's partial last prompt page from its leader's (the full pages are shared)."""
+        p, src, dst = self.cfg.block_size, [], []
+        for f in forked:
+            n = len(f.prompt_ids)
+            if n % p:
+                s0, d0 = f.leader.block_ids[n // p] * p, f.block_ids[n // p] * p
+                src += range(s0, s0 + n % p)
+                dst += range(d0, d0 + n % p)
+        if dst:
+            kv = self.runner.kv  # [L, 2, slots, Hk, D]
+            kv.index_copy_(2, to_device(dst, torch.long, self.device), kv.index_select(2, to_device(src, torch.long, self.device)))
+
+    def _op_logprobs(self, tok: torch.Tensor, lp: torch.Tensor, st: SamplingTensors, rows: list[int] | None = None) -> torch.Tensor:
+        """The trainer's logprob of each sampled token (rows grouped by temperature; 0 = greedy -> 1);
+        ``rows``: the rows of the last hidden states they were drawn from (default: one each, in order)."""
         if self.logprobs_op is None:
             return lp
         h = self.runner.last_hidden
+        if rows is not None:
+            h = h[to_device(rows, torch.long, h.device)]
         if self.logprobs_dtype is not None:
             h = h.to(self.logprobs_dtype)
         w = self.model.lm_head.weight

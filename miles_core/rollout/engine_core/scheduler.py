@@ -76,6 +76,27 @@ class Scheduler:
             self.running.append(req)
         return ok
 
+    def fork_followers(self, leaders: list[Request]) -> list[Request]:
+        """Admit the waiting samples whose group leader is in ``leaders`` (leaders that have just
+        computed their whole prompt) onto the leader's prompt pages (:meth:`BlockManager.fork`), as
+        far as slots and pages go; they then hold their prompt as computed. Returns them in queue order."""
+        lead_ids = {id(r) for r in leaders}
+        forked: list[Request] = []
+        rest: deque[Request] = deque()
+        for req in self.waiting:
+            lead = req.leader
+            if (lead is not None and id(lead) in lead_ids and not req.output_ids and self.free_slots
+                    and self.blocks.fork(lead, req, len(req.prompt_ids))):
+                req.num_computed = req.num_cached = len(req.prompt_ids)
+                req.status = Status.RUNNING
+                req.slot = self.free_slots.pop()
+                self.running.append(req)
+                forked.append(req)
+            else:
+                rest.append(req)
+        self.waiting = rest
+        return forked
+
     def schedule(self) -> PrefillPlan | DecodePlan | None:
         decodable = [r for r in self.running if r.num_computed >= prefill_target(r)]
         if decodable and self.last_was_prefill:
