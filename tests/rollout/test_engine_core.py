@@ -224,3 +224,16 @@ def test_fused_projections_are_views_and_match_separate_gemms():
     assert run.qkv == []
     core.resume_memory(("weights",))
     assert layer.self_attn.q_proj.weight.data_ptr() == run.qkv[0].data_ptr()
+
+
+def test_decode_window_is_no_longer_than_the_rows_need():
+    core = engine(decode_steps=8)
+    plans = []
+    decode = core.scheduler._decode
+    core.scheduler._decode = lambda reqs: plans.append(decode(reqs)) or plans[-1]
+    a = core.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0))[0]
+    b = core.add_request([4, 5], SamplingParams(max_new_tokens=12, temperature=0))[0]
+    drain(core)
+    # after the prefill's token: a needs 3 more, b 11: one window of 8 (a ends inside it), then b's last 3
+    assert [p.steps for p in plans] == [8, 3]
+    assert len(a.output_ids) == 4 and len(b.output_ids) == 12

@@ -136,7 +136,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode
     def _decode(self, reqs: list[Request]) -> DecodePlan:
-        steps = self.cfg.decode_steps
+        # no longer than the longest of the rows still needs (its host state may lag a window in flight: longer, never shorter)
+        steps = max(1, min(self.cfg.decode_steps, max(final_len(r, self.cfg.max_model_len) - r.num_tokens for r in reqs)))
         preempted: list[Request] = []
         for req in list(reqs):
             if req in preempted:
