@@ -77,6 +77,29 @@ def test_buffer_is_kept_across_windows_and_sized_once():
     assert_same(group, ref)
 
 
+def test_rows_that_finish_leave_the_buffer_without_a_gather():
+    """Requests ending at different times (length, a stop token): the rows left are selected from the
+    kept buffer, not gathered from the pages again; tokens and logprobs as the generic path's."""
+    model = tiny(1)
+    script = [(P[0], SamplingParams(max_new_tokens=5, temperature=0.8, seed=1)),
+              (P[1], SamplingParams(max_new_tokens=20, temperature=0.8, seed=2)),
+              (P[2], SamplingParams(max_new_tokens=11, temperature=0, ignore_eos=True)),
+              (P[3], SamplingParams(max_new_tokens=14, temperature=0.9, seed=3))]
+    core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3))
+    gathers, keeps = [], []
+    gather, keep = core._cpu._gather, core._cpu._keep_rows
+    core._cpu._gather = lambda *a: (gathers.append(a[0].shape[0]), gather(*a))[1]
+    core._cpu._keep_rows = lambda reqs, pos: (lambda ok: (keeps.append(len(reqs)) if ok else None, ok)[1])(keep(reqs, pos))
+    got = [core.add_request(p, params)[0] for p, params in script]
+    while core.has_unfinished():
+        core.step()
+    assert gathers == [4] and keeps == [3, 2, 1]  # one gather; the batch then shrank three times
+    ref = []
+    for p, params in script:
+        ref += run(model, False, [(p, params)])[0]
+    assert_same(got, ref)
+
+
 def test_buffer_grows_when_the_memory_budget_cuts_it():
     """A long prompt beside a short one, both decoding ~60 tokens: the buffer's first size is cut
     to the paged cache's slots per row, then it doubles; tokens and logprobs as the generic path's."""

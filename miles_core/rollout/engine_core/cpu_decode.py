@@ -104,6 +104,21 @@ class CpuDecoder:
         self.mask[..., :t0].masked_fill_(pad, float("-inf"))
         self.used = t0
 
+    def _keep_rows(self, reqs: list, positions: list[int]) -> bool:
+        """When ``reqs`` are some of the kept buffer's rows where they left off (others have finished:
+        the common change of a batch of rollouts), select their rows from the buffer -- contiguous
+        blocks, no gather from the pages -- and return True."""
+        where = {id(r): i for i, r in enumerate(self.rows)}
+        keep = [where.get(id(r), -1) for r in reqs]
+        if not reqs or min(keep) < 0 or any(self.next_pos[i] != n for i, n in zip(keep, positions)):
+            return False
+        idx = torch.tensor(keep)
+        self.kt, self.v = self.kt.index_select(1, idx), self.v.index_select(1, idx)
+        hk = self.runner.kv_heads
+        self.mask = self.mask.view(-1, hk, self.mask.shape[-1]).index_select(0, idx).view(len(keep) * hk, 1, -1)
+        self.rows, self.next_pos = list(reqs), list(positions)
+        return True
+
     def _ensure_room(self, steps: int) -> None:
         """Grow the buffer (only when the memory budget cut its first size short): double it."""
         u = self.used
@@ -149,7 +164,7 @@ class CpuDecoder:
         b, hk, d = tokens.shape[0], run.kv_heads, run.head_dim
         positions = [r.num_tokens - 1 for r in reqs]
         same = len(reqs) == len(self.rows) and all(x is y for x, y in zip(reqs, self.rows)) and positions == self.next_pos
-        if not same:
+        if not same and not self._keep_rows(reqs, positions):
             remaining = max(final_len(r, self.max_model_len) - n for r, n in zip(reqs, positions))
             self._gather(pos0, block_tables, max(positions), remaining, k)
         self._ensure_room(k)
