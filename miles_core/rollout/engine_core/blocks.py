@@ -11,8 +11,8 @@ of a group share their prompt's KV: the first sample prefills the prompt, and wh
 first token the others waiting for it are forked from it (:meth:`fork`: its full pages shared, its
 partial last page copied, their first tokens drawn from its logits), so none of them recomputes
 any of the prompt; a sample that could not be forked then (no free slot or page) finds the full
-pages in the prefix cache later and recomputes at most the last partial page. A page whose count drops to 0
-stays cached (evictable, least recently used first) until its slot is needed.
+pages in the prefix cache later and recomputes at most the last partial page. A page whose count
+drops to 0 stays cached (evictable, least recently used first) until its slot is needed.
 """
 
 from __future__ import annotations
