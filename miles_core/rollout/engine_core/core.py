@@ -304,11 +304,11 @@ class EngineCore:
         # the waiting samples of groups whose leader has just computed its prompt start from its pages and logits
         leaders = [r for r in sample_reqs if r.leader is None and not r.output_ids]
         forked = self.scheduler.fork_followers(leaders) if leaders else []
-        rows = list(range(len(sample_reqs)))
+        rows = None  # the logits row each sampled request draws from: its own unless forked
         if forked:
             self._copy_prompt_tails(forked)
             row_of = {id(r): i for i, r in enumerate(sample_reqs)}
-            rows += [row_of[id(f.leader)] for f in forked]
+            rows = list(range(len(sample_reqs))) + [row_of[id(f.leader)] for f in forked]
             if routed is not None:  # the prompt's routing: the leader's (it has decoded nothing yet)
                 for f in forked:
                     f.routed_experts = [torch.cat(f.leader.routed_experts)]
@@ -317,7 +317,7 @@ class EngineCore:
         st = SamplingTensors.build([r.params for r in sample_reqs], [r.seed for r in sample_reqs], dev)
         counters = to_device([len(r.output_ids) for r in sample_reqs], torch.long, dev)
         tok, lp, top = sample(logits, st, counters)
-        lp = self._op_logprobs(tok, lp, st, rows if forked else None)
+        lp = self._op_logprobs(tok, lp, st, rows)
         toks, lps = tok.tolist(), lp.tolist()
         tops = _top_lists(top, [r.params.top_logprobs for r in sample_reqs])
         return [self._append(r, [toks[i]], [lps[i]], [tops[i]] if tops else None) for i, r in enumerate(sample_reqs)]

@@ -182,7 +182,7 @@ class CpuDecoder:
         nq, nk = h * d, hk * d
         embed = model.model.embed_tokens.weight
         # per layer, views made once per window (indexing costs as much as a small op):
-        # K [B*Hk, D, cap] and V [B*Hk, cap, D] for the batched matmuls, [B, Hk, D] columns for the writes
+        # K [B*Hk, D, cap] and V [B*Hk, cap, D] for the batched matmuls
         k_mm = [x.view(b * hk, d, -1) for x in kt.unbind(0)]
         v_mm = [x.view(b * hk, -1, d) for x in vw.unbind(0)]
         toks, lps, tops, routes = [], [], [], []
