@@ -130,6 +130,8 @@ def main() -> None:
     ap.add_argument("--no-prefetch", action="store_true", help="engine: PDL without the GEMMs' L2 weight prefetch")
     ap.add_argument("--no-overlap", action="store_true", help="engine: read each decode window before launching the next")
     ap.add_argument("--no-graph-sampling", action="store_true", help="engine: sample outside the decode step's CUDA graph")
+    ap.add_argument("--cpu-kernels", choices=("auto", "native", "torch"), default="auto",
+                    help="engine on CPU: the decode window's fused C kernels (cpu_native.c) or torch ops")
     ap.add_argument("--no-fused-attention", action="store_true", help="engine: the q/k/v prologue as its own kernel, not inside decode attention")
     ap.add_argument("--attention", default=None, help="engine: the paged decode kernel's launch, BLOCK_N,WARPS "
                     "(default: triton_decode.BLOCK_N, NUM_WARPS)")
@@ -174,7 +176,8 @@ def main() -> None:
                        max_batched_tokens=16384, fused_kernels=not args.no_fused, splitk_gemm=not args.no_splitk,
                        gated_gemm=not args.no_gated, pdl=not args.no_pdl,
                        pdl_prefetch=not args.no_prefetch, overlap_windows=not args.no_overlap,
-                       fused_attention=not args.no_fused_attention, graph_sampling=not args.no_graph_sampling)
+                       fused_attention=not args.no_fused_attention, graph_sampling=not args.no_graph_sampling,
+                       cpu_kernels=args.cpu_kernels)
     if args.decode_steps:
         cfg.decode_steps = args.decode_steps
     elif dev.type == "cpu":
@@ -221,7 +224,8 @@ def main() -> None:
     run = {k: getattr(core.runner, k, False) for k in ("use_triton", "fused_kernels", "splitk", "gated", "pdl", "use_graphs")}
     print(f"engine: triton decode {run['use_triton']}, fused layer kernels {run['fused_kernels']}, split-K {run['splitk']}, "
           f"gated {run['gated']}, fused attention {cfg.fused_attention}, attention launch {getattr(core.runner, 'attn_launch', None) or 'default'}, PDL {run['pdl']} (prefetch {cfg.pdl_prefetch}), "
-          f"cuda graphs {run['use_graphs']} (sampling inside {cfg.graph_sampling}), decode steps/sync {cfg.decode_steps}, overlapped windows {cfg.overlap_windows}, kernels {ops}")
+          f"cuda graphs {run['use_graphs']} (sampling inside {cfg.graph_sampling}), decode steps/sync {cfg.decode_steps}, overlapped windows {cfg.overlap_windows}, kernels {ops}"
+          + (f", CPU window kernels {'native (cpu_native.c)' if core._cpu._native else 'torch'}" if dev.type == "cpu" else ""))
     head = f"{'batch':>6} | {'engine tok/s':>12} | {'HF tok/s':>10} | {'speedup':>8} | {'roofline':>8} | identical"
     print(head + "\n" + "-" * len(head))
     for r in rows:

@@ -10,11 +10,12 @@ import torch
 VOCAB = 96
 
 
-def hf_config(family: str):
+def hf_config(family: str, head_dim: int = 8):
+    """``head_dim`` 16 (or any multiple of 16) lets the CPU decode window's fused kernels (cpu_native.c) run."""
     from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=8, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+                  head_dim=head_dim, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if family == "llama":
         return LlamaConfig(intermediate_size=64, tie_word_embeddings=True, rope_theta=10000.0, **common)
     if family == "qwen3":
@@ -25,9 +26,9 @@ def hf_config(family: str):
     raise ValueError(family)
 
 
-def make_hf_model(family: str, path: Path, seed: int = 0):
+def make_hf_model(family: str, path: Path, seed: int = 0, head_dim: int = 8):
     """A random fp32 HF model of ``family`` saved under ``path``; returns the HF module (eval)."""
-    return save_random_hf(hf_config(family), path, seed)
+    return save_random_hf(hf_config(family, head_dim), path, seed)
 
 
 def save_random_hf(config, path: Path, seed: int = 0):

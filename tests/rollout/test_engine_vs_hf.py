@@ -19,9 +19,10 @@ def run_all(core, prompts, params):
     return reqs
 
 
+@pytest.mark.parametrize("head_dim", [8, 16])  # 16: the CPU decode window runs its fused C kernels where they build
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
-def test_greedy_and_logprobs_match_transformers(family, tmp_path):
-    hf = make_hf_model(family, tmp_path)
+def test_greedy_and_logprobs_match_transformers(family, head_dim, tmp_path):
+    hf = make_hf_model(family, tmp_path, head_dim=head_dim)
     core = EngineCore(load_miles(tmp_path), EngineConfig(block_size=4, decode_steps=3, max_batched_tokens=8))
     reqs = run_all(core, PROMPTS, SamplingParams(max_new_tokens=NEW, temperature=0))
     for prompt, req in zip(PROMPTS, reqs):

@@ -46,6 +46,10 @@ class EngineConfig:
     # call per layer and step, inference mode): same tokens, a fraction of the host overhead. False
     # keeps the generic eager path (runner.decode). No effect on GPU or with exact_attention.
     cpu_decode_window: bool = True
+    # CPU decode window, fp32: "auto" runs each layer's norms, rotary + K/V write + attention, and SwiGLU as the
+    # fused C kernels of cpu_native.c (built with the system C compiler at first use; torch ops where it fails),
+    # "native" the same but an error where they do not build, "torch" the torch ops only
+    cpu_kernels: str = "auto"
 
     def validate(self) -> None:
         for key in ("block_size", "max_num_seqs", "max_batched_tokens", "max_model_len", "decode_steps"):
@@ -53,5 +57,7 @@ class EngineConfig:
                 raise ConfigError(f"engine.{key} must be >= 1, got {getattr(self, key)}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ConfigError(f"engine.num_blocks must be >= 2, got {self.num_blocks}")
+        if self.cpu_kernels not in ("auto", "native", "torch"):
+            raise ConfigError(f"engine.cpu_kernels must be 'auto', 'native' or 'torch', got {self.cpu_kernels!r}")
         if not 0 < self.kv_memory_fraction <= 1:
             raise ConfigError(f"engine.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")

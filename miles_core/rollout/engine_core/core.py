@@ -82,7 +82,7 @@ class EngineCore:
         bs = self.cfg.block_size
         runner = TransformersRunner if is_transformers_model(model) else ModelRunner
         self.runner = runner(model, self.cfg, self.device, extra_blocks=-(-self.cfg.decode_steps // bs) + 1)
-        self._cpu = cpu_decode.CpuDecoder(self.runner, self.max_model_len)  # used when cfg.cpu_decode_window and on CPU
+        self._cpu = cpu_decode.CpuDecoder(self.runner, self.max_model_len, self.cfg.cpu_kernels)  # used when cfg.cpu_decode_window and on CPU
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # aborts, reported by the next step

@@ -45,7 +45,9 @@ import torch.nn.functional as F
 
 from miles_core.kernels.rmsnorm import rmsnorm_torch
 from miles_core.kernels.rope import rope_torch
+from miles_core.kernels.swiglu import swiglu_torch
 from miles_core.rollout.engine_core.attention import gather_slots
+from miles_core.rollout.engine_core.cpu_native import MAX_HEAD_DIM, NativeKernels
 from miles_core.rollout.engine_core.scheduler import final_len
 
 
@@ -66,9 +68,11 @@ class CpuDecoder:
     """Runs decode windows on CPU for one :class:`~.runner.ModelRunner`; keeps the last window's
     K/V buffer for the next window of the same requests."""
 
-    def __init__(self, runner, max_model_len: int) -> None:
+    def __init__(self, runner, max_model_len: int, kernels: str = "auto") -> None:
         self.runner = runner
         self.max_model_len = max_model_len  # the engine's (a request's final length is bounded by it)
+        self.kernels = kernels  # EngineConfig.cpu_kernels
+        self._native: NativeKernels | None | bool = False  # loaded at the first window (False: not yet)
         self._statics_key: tuple = ()
         self._statics: tuple = ()
         self.reset()
@@ -146,12 +150,35 @@ class CpuDecoder:
             d = run.head_dim
             rolled = all(layer.self_attn.rope is rope_torch for layer in layers)
             cos_t, sin_t = model._rope(torch.arange(run.max_blocks * run.block_size), run.dtype)  # [P, 1, D]
+            sin_plain = sin_t
             if rolled:
                 sin_t = sin_t * torch.cat([-torch.ones(d // 2), torch.ones(d - d // 2)]).to(run.dtype)
             plan = [_layer_plan(run, i, layer, rolled) for i, layer in enumerate(layers)]
-            self._statics = (plan, (cos_t, sin_t), _norm(model.model.norm, run.dtype), model.lm_head.weight.t())
+            fn = _norm(model.model.norm, run.dtype)
+            self._statics = (plan, (cos_t, sin_t, sin_plain), fn, model.lm_head.weight.t(), self._native_plan(plan, fn, rolled))
             self._statics_key = key
         return self._statics
+
+    def _native_plan(self, plan: list, final_norm: tuple, rolled: bool) -> list | None:
+        """Per layer what the fused kernels (cpu_native.c) take, or None where they cannot run this model:
+        they need fp32, the reference RMSNorm and rotary ops, one qk-norm eps, and a head_dim that is a
+        multiple of 16 up to MAX_HEAD_DIM. The MLP goes through the SwiGLU kernel when the layer's is the
+        reference SwiGLU, else through the layer's own ops (MoE)."""
+        if self._native is False:
+            self._native = NativeKernels.load(self.kernels)
+        run = self.runner
+        if (self._native is None or run.dtype != torch.float32 or not rolled or run.head_dim % 16
+                or run.head_dim > MAX_HEAD_DIM or final_norm[0] is not _rms_norm_fp32):
+            return None
+        out = []
+        for ln1, qkv_w, _rope, qk_norm, o_w, ln2, mlp, gate_up, act, down_w in plan:
+            norms = (ln1, ln2, *(qk_norm or ()))
+            if any(n[0] is not _rms_norm_fp32 for n in norms) or (qk_norm and qk_norm[0][2] != qk_norm[1][2]):
+                return None
+            qw, kw, qk_eps = (qk_norm[0][1], qk_norm[1][1], qk_norm[0][2]) if qk_norm else (None, None, 0.0)
+            out.append((ln1[1], ln1[2], qkv_w, qw, kw, qk_eps, o_w, ln2[1], ln2[2],
+                        (mlp, gate_up, act, down_w), gate_up is not None and act is swiglu_torch))
+        return out
 
     # ------------------------------------------------------------------ one window
     @torch.inference_mode()
@@ -171,8 +198,13 @@ class CpuDecoder:
         t0, kt, vw = self.used, self.kt, self.v
         # the window's positions, rotary tables and page slots
         wpos = pos0[:, None] + torch.arange(k)  # [B, K]
-        plan, (cos_t, sin_t), fn, head_w = self._window_statics()
-        cos, sin = cos_t[wpos].transpose(1, 2), sin_t[wpos].transpose(1, 2)  # [B, 1, K, D]
+        plan, (cos_t, sin_t, sin_plain), fn, head_w, nplan = self._window_statics()
+        if nplan is not None:  # the fused kernels take each row's cos / sin [D] of the step's position
+            cos = cos_t[wpos].view(b, k, d).transpose(0, 1)  # [K, B, D]: step j's rows, row stride K * D
+            sin = sin_plain[wpos].view(b, k, d).transpose(0, 1)
+        else:
+            cos, sin = cos_t[wpos].transpose(1, 2), sin_t[wpos].transpose(1, 2)  # [B, 1, K, D]
+            cos, sin = cos.split(1, 2), sin.split(1, 2)  # per step [B, 1, 1, D]
         col = (wpos // p).clamp(max=block_tables.shape[1] - 1)
         wslots = block_tables.gather(1, col).long() * p + wpos % p  # [B, K]
         fp32 = run.dtype == torch.float32  # else the softmax runs in fp32 (as the generic path's does)
@@ -181,46 +213,44 @@ class CpuDecoder:
         h, rep, scale = mc.num_heads, mc.num_heads // mc.num_kv_heads, d**-0.5
         nq, nk = h * d, hk * d
         embed = model.model.embed_tokens.weight
-        # per layer, views made once per window (indexing costs as much as a small op):
-        # K [B*Hk, D, cap] and V [B*Hk, cap, D] for the batched matmuls
-        k_mm = [x.view(b * hk, d, -1) for x in kt.unbind(0)]
-        v_mm = [x.view(b * hk, -1, d) for x in vw.unbind(0)]
+        if nplan is not None:  # the kernels' output buffers ([B, hidden], [B, H D], [B, I]); per layer K, V
+            nat, mask2d, k_l, v_l = self._native, self.mask.view(b * hk, -1), kt.unbind(0), vw.unbind(0)
+            inter = next((x[7].shape[1] // 2 for x in plan if x[7] is not None), 0)
+            bufs = (torch.empty(b, embed.shape[1]), torch.empty(b, nq), torch.empty(b, inter))
+        else:  # per layer, views made once per window (indexing costs as much as a small op):
+            # K [B*Hk, D, cap] and V [B*Hk, cap, D] for the batched matmuls
+            k_mm = [x.view(b * hk, d, -1) for x in kt.unbind(0)]
+            v_mm = [x.view(b * hk, -1, d) for x in vw.unbind(0)]
         toks, lps, tops, routes = [], [], [], []
         tok = tokens
-        for j, (c, s) in enumerate(zip(cos.split(1, 2), sin.split(1, 2))):  # [B, 1, 1, D]
-            end = t0 + j + 1
-            mask = self.mask.narrow(2, 0, end)  # the window's own columns t0..t0+j are 0 (in context)
-            k_col, v_col = kt.select(4, t0 + j), vw.select(3, t0 + j)  # [L, B, Hk, D]: this step's column
-            x = F.embedding(tok, embed)
+        for j, (c, s) in enumerate(zip(cos, sin)):
             routed = []
-            for i, (ln1, qkv_w, rope, qk_norm, o_w, ln2, mlp, gate_up, act, down_w) in enumerate(plan):
-                qkv = torch.mm(ln1[0](x, ln1[1], ln1[2]), qkv_w)
-                if qk_norm is None:  # one rotary call over the query and key heads together
-                    qk = rope(qkv[:, : nq + nk].view(b, h + hk, 1, d), c, s)
-                    q, kk = qk[:, :h], qk[:, h:]
-                else:
-                    (qn, qw, qe), (kn, kw, ke) = qk_norm
-                    q = rope(qn(qkv[:, :nq].view(b, h, d), qw, qe).view(b, h, 1, d), c, s)
-                    kk = rope(kn(qkv[:, nq : nq + nk].view(b, hk, d), kw, ke).view(b, hk, 1, d), c, s)
-                k_col[i].copy_(kk.view(b, hk, d))
-                v_col[i].copy_(qkv[:, nq + nk :].view(b, hk, d))
-                scores = torch.baddbmm(mask, q.reshape(b * hk, rep, d), k_mm[i].narrow(2, 0, end), alpha=scale)  # [B*Hk, R, end]
-                probs = torch.softmax(scores, -1) if fp32 else torch.softmax(scores, -1, dtype=torch.float32).to(run.dtype)
-                o = torch.bmm(probs, v_mm[i].narrow(1, 0, end))  # [B*Hk, R, D]
-                x = x + torch.mm(o.view(b, nq), o_w)
-                hn = ln2[0](x, ln2[1], ln2[2])
-                if gate_up is not None:
-                    gate, up = torch.mm(hn, gate_up).chunk(2, -1)
-                    x = x + torch.mm(act(gate, up), down_w)
-                elif hasattr(mlp, "route"):  # MoE layer
-                    ids, w = mlp.route(hn)
-                    routed.append(ids)
-                    x = x + mlp.combine(hn, ids, w)
-                else:
-                    if run.is_moe:  # a dense layer of a MoE model: no routing
-                        routed.append(torch.full((b, run.moe_k), -1, dtype=torch.long))
-                    x = x + mlp(hn)
-            logits = torch.mm(fn[0](x, fn[1], fn[2]), head_w)
+            x = F.embedding(tok, embed)
+            if nplan is not None:
+                x = _native_layers(nat, nplan, x, c, s, k_l, v_l, mask2d, t0 + j, bufs, h, scale, run, routed)
+                xn = nat.rmsnorm(x, fn[1], fn[2], bufs[0])
+            else:
+                end = t0 + j + 1
+                mask = self.mask.narrow(2, 0, end)  # the window's own columns t0..t0+j are 0 (in context)
+                k_col, v_col = kt.select(4, t0 + j), vw.select(3, t0 + j)  # [L, B, Hk, D]: this step's column
+                for i, (ln1, qkv_w, rope, qk_norm, o_w, ln2, mlp, gate_up, act, down_w) in enumerate(plan):
+                    qkv = torch.mm(ln1[0](x, ln1[1], ln1[2]), qkv_w)
+                    if qk_norm is None:  # one rotary call over the query and key heads together
+                        qk = rope(qkv[:, : nq + nk].view(b, h + hk, 1, d), c, s)
+                        q, kk = qk[:, :h], qk[:, h:]
+                    else:
+                        (qn, qw, qe), (kn, kw, ke) = qk_norm
+                        q = rope(qn(qkv[:, :nq].view(b, h, d), qw, qe).view(b, h, 1, d), c, s)
+                        kk = rope(kn(qkv[:, nq : nq + nk].view(b, hk, d), kw, ke).view(b, hk, 1, d), c, s)
+                    k_col[i].copy_(kk.view(b, hk, d))
+                    v_col[i].copy_(qkv[:, nq + nk :].view(b, hk, d))
+                    scores = torch.baddbmm(mask, q.reshape(b * hk, rep, d), k_mm[i].narrow(2, 0, end), alpha=scale)  # [B*Hk, R, end]
+                    probs = torch.softmax(scores, -1) if fp32 else torch.softmax(scores, -1, dtype=torch.float32).to(run.dtype)
+                    o = torch.bmm(probs, v_mm[i].narrow(1, 0, end))  # [B*Hk, R, D]
+                    x = x + torch.mm(o.view(b, nq), o_w)
+                    x = _mlp_residual(x, ln2[0](x, ln2[1], ln2[2]), mlp, gate_up, act, down_w, run, routed)
+                xn = fn[0](x, fn[1], fn[2])
+            logits = torch.mm(xn, head_w)
             tok, lp, top = sample(logits, j)
             toks.append(tok)
             lps.append(lp)
@@ -235,6 +265,42 @@ class CpuDecoder:
         self.used = t0 + k  # mask columns past the old `used` are 0 already: these are now context
         self.rows, self.next_pos = list(reqs), [x + k for x in positions]
         return WindowOut(torch.stack(toks, 1), torch.stack(lps, 1), tops, routes)
+
+
+def _mlp_residual(x: torch.Tensor, hn: torch.Tensor, mlp, gate_up, act, down_w, run, routed: list) -> torch.Tensor:
+    """``x + MLP(hn)``: the fused gate/up GEMM and the layer's activation, or a MoE layer (its routing
+    appended to ``routed``), or the module itself."""
+    if gate_up is not None:
+        gate, up = torch.mm(hn, gate_up).chunk(2, -1)
+        return x + torch.mm(act(gate, up), down_w)
+    if hasattr(mlp, "route"):  # MoE layer
+        ids, w = mlp.route(hn)
+        routed.append(ids)
+        return x + mlp.combine(hn, ids, w)
+    if run.is_moe:  # a dense layer of a MoE model: no routing
+        routed.append(torch.full((hn.shape[0], run.moe_k), -1, dtype=torch.long))
+    return x + mlp(hn)
+
+
+def _native_layers(nat: NativeKernels, nplan: list, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   kt: tuple, v: tuple, mask: torch.Tensor, col: int, bufs: tuple, heads: int,
+                   scale: float, run, routed: list) -> torch.Tensor:
+    """The layers of one decode step through the fused kernels: per layer RMSNorm, the q/k/v GEMM, one
+    kernel for q/k norm + rotary + the K/V column write + attention, the o_proj GEMM with the residual
+    added in it (addmm), RMSNorm, the gate/up GEMM, SwiGLU, the down GEMM with its residual. ``bufs``:
+    the kernels' outputs ([B, hidden], [B, H D], [B, I]), each read by the GEMM right after it."""
+    h_buf, o_buf, a_buf = bufs
+    for i, (w1, e1, qkv_w, qw, kw, qk_eps, o_w, w2, e2, mlp_plan, swiglu) in enumerate(nplan):
+        qkv = torch.mm(nat.rmsnorm(x, w1, e1, h_buf), qkv_w)
+        o = nat.attn_step(qkv, cos, sin, qw, kw, qk_eps, kt[i], v[i], mask, o_buf, heads, col, scale)
+        x = torch.addmm(x, o, o_w)
+        hn = nat.rmsnorm(x, w2, e2, h_buf)
+        mlp, gate_up, act, down_w = mlp_plan
+        if swiglu:
+            x = torch.addmm(x, nat.silu_mul(torch.mm(hn, gate_up), a_buf), down_w)
+        else:
+            x = _mlp_residual(x, hn, mlp, gate_up, act, down_w, run, routed)
+    return x
 
 
 def _layer_plan(run, i: int, layer, rolled: bool) -> tuple:

@@ -1,0 +1,256 @@
+/* Miles: fused fp32 CPU kernels for the decode window (cpu_decode.py), built at first use by cpu_native.py.
+ *
+ * A small model's CPU decode step is dozens of tiny torch ops, each costing microseconds of dispatch, and an
+ * attention that reads each row's K/V through batched GEMMs of 1-8 rows. These kernels do per layer and step
+ * what takes ~15 torch ops:
+ *
+ *   miles_rmsnorm    out = w * x * rsqrt(mean(x^2) + eps), per row
+ *   miles_silu_mul   out = silu(gate) * up, with [gate | up] the rows of one GEMM's output
+ *   miles_attn_step  per row: optional per-head RMSNorm of q and k (Qwen3), rotate-half rotary of q and k,
+ *                    the new K/V column written into the window buffer, then attention of the row's query
+ *                    heads over its columns [0, col] (the additive mask marks the row's context), softmax
+ *                    in fp32, K/V read once per KV head for all R = H / Hk query heads of its group.
+ *
+ * Layouts are the window buffer's (cpu_decode.py): K transposed [B, Hk, D, cap], V [B, Hk, cap, D], mask
+ * [B * Hk, cap]. Elementwise arithmetic keeps torch's order (the build passes -ffp-contract=off): the rotary
+ * is bit-identical to rope_torch; the reductions (norms, dot products, softmax sums) sum in another order, so
+ * results differ from torch by rounding (~1e-7 relative). Rows run in parallel with OpenMP when the work is
+ * large enough; torch's own libgomp is the one loaded, so these share its threads.
+ *
+ * Vectors are GCC/Clang vector extensions of 16 floats: one AVX-512 register, two AVX2 or four NEON ones.
+ * D must be a multiple of 16 and at most 256 (the Python side checks).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+static inline v16 ld(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
+static inline void st(float *p, v16 x) { memcpy(p, &x, sizeof x); }
+static inline v16 splat(float a) { return (v16){0} + a; }
+static inline float hsum(v16 x) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += x[i];
+  return s;
+}
+static inline float hmax(v16 x) {
+  float m = x[0];
+  for (int i = 1; i < 16; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the max): Cody-Waite reduction x = k ln2 + r, a degree-6
+   polynomial for exp(r) (the Cephes expf coefficients, ~1 ulp), 2^k through the exponent bits; x below -87
+   (or -inf) gives exactly 0. */
+static inline v16 exp_neg(v16 x) {
+  const i16 live = x >= -87.0f;
+  x = (v16)((i16)x & live) + (v16)((i16)splat(-87.0f) & ~live);
+  const v16 shifter = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+  v16 k = (x * 1.44269504088896341f + shifter) - shifter;
+  v16 r = x - k * 0.693359375f;
+  r = r - k * -2.12194440e-4f;
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  i16 ki;
+  for (int i = 0; i < 16; ++i) ki[i] = (int32_t)k[i];
+  const v16 scale = (v16)((ki + 127) << 23);
+  return (v16)((i16)(p * scale) & live);
+}
+
+/* exp(x) for any x (silu): clamped to [-87, 88]. */
+static inline v16 exp_any(v16 x) {
+  const i16 hi = x > 88.0f;
+  x = (v16)((i16)x & ~hi) + (v16)((i16)splat(88.0f) & hi);
+  const i16 live = x >= -87.0f;
+  x = (v16)((i16)x & live) + (v16)((i16)splat(-87.0f) & ~live);
+  const v16 shifter = splat(12582912.0f);
+  v16 k = (x * 1.44269504088896341f + shifter) - shifter;
+  v16 r = x - k * 0.693359375f;
+  r = r - k * -2.12194440e-4f;
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  i16 ki;
+  for (int i = 0; i < 16; ++i) ki[i] = (int32_t)k[i];
+  return p * (v16)((ki + 127) << 23);
+}
+
+/* ---------------------------------------------------------------- RMSNorm */
+static inline void rmsnorm_row(const float *x, const float *w, float *out, int64_t n, float eps) {
+  v16 acc = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) { v16 a = ld(x + i); acc += a * a; }
+  float ss = hsum(acc);
+  for (; i < n; ++i) ss += x[i] * x[i];
+  const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+  for (i = 0; i + 16 <= n; i += 16) st(out + i, ld(w + i) * (ld(x + i) * inv));
+  for (; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+void miles_rmsnorm(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows, int64_t n, float eps) {
+#pragma omp parallel for schedule(static) if (rows * n >= 65536)
+  for (int64_t r = 0; r < rows; ++r) rmsnorm_row(x + r * x_stride, w, out + r * n, n, eps);
+}
+
+/* ---------------------------------------------------------------- SwiGLU */
+void miles_silu_mul(const float *gu, float *out, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static) if (rows * inter >= 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *g = gu + r * 2 * inter, *u = g + inter;
+    float *o = out + r * inter;
+    int64_t i = 0;
+    for (; i + 16 <= inter; i += 16) {
+      v16 a = ld(g + i);
+      st(o + i, a / (exp_any(-a) + 1.0f) * ld(u + i));
+    }
+    for (; i < inter; ++i) o[i] = g[i] / (expf(-g[i]) + 1.0f) * u[i];
+  }
+}
+
+/* ---------------------------------------------------------------- attention */
+/* rotate-half rotary of one head, in place: (x1, x2) -> (x1 cos1 - x2 sin1, x2 cos2 + x1 sin2); the products
+   rounded, then added, as rope_torch does (x * cos + cat(-x2, x1) * sin) */
+static inline void rope_head(float *x, const float *cos, const float *sin, int64_t d) {
+  const int64_t h = d / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    const float a = x[i], b = x[i + h];
+    x[i] = a * cos[i] + (-b) * sin[i];
+    x[i + h] = b * cos[i + h] + a * sin[i + h];
+  }
+}
+
+/* scores s[r, t] = scale * q_r . k_t + mask[t] for t < n, r < R (R <= 8), 16 columns at a time */
+static inline __attribute__((always_inline)) void qk_block(const float *q, const float *kt, const float *mask, float *s,
+                                                         int64_t R, int64_t D, int64_t cap, int64_t n, float scale) {
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    v16 acc[8];
+    for (int64_t r = 0; r < R; ++r) acc[r] = (v16){0};
+    for (int64_t d = 0; d < D; ++d) {
+      const v16 k = ld(kt + d * cap + t);
+      for (int64_t r = 0; r < R; ++r) acc[r] += q[r * D + d] * k;
+    }
+    const v16 m = ld(mask + t);
+    for (int64_t r = 0; r < R; ++r) st(s + r * n + t, acc[r] * scale + m);
+  }
+  for (; t < n; ++t)
+    for (int64_t r = 0; r < R; ++r) {
+      float a = 0.f;
+      for (int64_t d = 0; d < D; ++d) a += q[r * D + d] * kt[d * cap + t];
+      s[r * n + t] = a * scale + mask[t];
+    }
+}
+
+/* out[r, j0:j0+16*NJ] = sum_t p[r, t] v[t, j0:...] for r < R (R <= 4), NJ <= 4 vectors */
+static inline __attribute__((always_inline)) void pv_block(const float *s, const float *v, float *out, int64_t R, int64_t D,
+                                                         int64_t n, int64_t j0, int64_t NJ) {
+  v16 acc[4][4];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < NJ; ++j) acc[r][j] = (v16){0};
+  for (int64_t t = 0; t < n; ++t) {
+    const float *vt = v + t * D + j0;
+    for (int64_t j = 0; j < NJ; ++j) {
+      const v16 x = ld(vt + 16 * j);
+      for (int64_t r = 0; r < R; ++r) acc[r][j] += s[r * n + t] * x;
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < NJ; ++j) st(out + r * D + j0 + 16 * j, acc[r][j]);
+}
+
+static void softmax_rows(float *s, int64_t R, int64_t n) {
+  for (int64_t r = 0; r < R; ++r) {
+    float *x = s + r * n;
+    int64_t t = 0;
+    v16 vm = splat(-INFINITY);
+    for (; t + 16 <= n; t += 16) { const v16 a = ld(x + t); vm = (v16)(((i16)a & (a > vm)) | ((i16)vm & ~(a > vm))); }
+    float mx = hmax(vm);
+    for (; t < n; ++t) mx = x[t] > mx ? x[t] : mx;
+    v16 vs = {0};
+    for (t = 0; t + 16 <= n; t += 16) { const v16 e = exp_neg(ld(x + t) - mx); st(x + t, e); vs += e; }
+    float sum = hsum(vs);
+    for (; t < n; ++t) { x[t] = expf(x[t] - mx); sum += x[t]; }
+    const float inv = 1.0f / sum;
+    for (t = 0; t + 16 <= n; t += 16) st(x + t, ld(x + t) * inv);
+    for (; t < n; ++t) x[t] *= inv;
+  }
+}
+
+/* one KV head of one row: queries q [R, D] (rotated) against kt [D, cap], v [cap, D] over n columns; s: R * n
+   floats of scratch; out [R, D]. The switches hand qk_block / pv_block constant row and vector counts, so that
+   their accumulators live in registers. */
+static void attend(const float *q, const float *kt, const float *v, const float *mask, float *out, float *s, int64_t R,
+                   int64_t D, int64_t cap, int64_t n, float scale) {
+  for (int64_t r0 = 0; r0 < R; r0 += 8) {
+    const float *qr = q + r0 * D;
+    float *sr = s + r0 * n;
+    switch (R - r0 < 8 ? R - r0 : 8) {
+#define QK(RC) case RC: qk_block(qr, kt, mask, sr, RC, D, cap, n, scale); break;
+      QK(1) QK(2) QK(3) QK(4) QK(5) QK(6) QK(7) QK(8)
+#undef QK
+    }
+  }
+  softmax_rows(s, R, n);
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int64_t rc = R - r0 < 4 ? R - r0 : 4;
+    for (int64_t j0 = 0; j0 < D; j0 += 64) {
+      const int64_t nj = (D - j0) / 16 < 4 ? (D - j0) / 16 : 4;
+      const float *sr = s + r0 * n;
+      float *o = out + r0 * D;
+      switch (rc * 8 + nj) {
+#define PV(RC, NJ) case RC * 8 + NJ: pv_block(sr, v, o, RC, D, n, j0, NJ); break;
+        PV(1, 1) PV(1, 2) PV(1, 3) PV(1, 4) PV(2, 1) PV(2, 2) PV(2, 3) PV(2, 4)
+        PV(3, 1) PV(3, 2) PV(3, 3) PV(3, 4) PV(4, 1) PV(4, 2) PV(4, 3) PV(4, 4)
+#undef PV
+      }
+    }
+  }
+}
+
+/* One layer's attention for one decode step of B rows.
+   qkv [B, qkv_stride]: q heads (H * D), k heads (Hk * D), v heads (Hk * D) of each row (q and k before norm and
+   rotary); cos, sin [B, cs_stride] (the row's position); q_w, k_w: per-head RMSNorm weights [D] or NULL;
+   kt [B, Hk, D, cap], v [B, Hk, cap, D]: the window buffer, column col gets the new K/V; mask [B * Hk, cap];
+   out [B, H * D]. Attends over columns [0, col]. */
+void miles_attn_step(const float *qkv, int64_t qkv_stride, const float *cos, const float *sin, int64_t cs_stride,
+                     const float *q_w, const float *k_w, float qk_eps, float *kt, float *v, const float *mask, float *out,
+                     int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t cap, int64_t col, float scale) {
+  const int64_t R = H / Hk, n = col + 1;
+#pragma omp parallel if (B * Hk * n * D >= 32768)
+  {
+    float *s = malloc(sizeof(float) * (size_t)(R * n + H * D + D));
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+      const float *row = qkv + b * qkv_stride, *c = cos + b * cs_stride, *sn = sin + b * cs_stride;
+      float *q = s + R * n, *kk = q + H * D;
+      for (int64_t h = 0; h < H; ++h) {
+        if (q_w) rmsnorm_row(row + h * D, q_w, q + h * D, D, qk_eps);
+        else memcpy(q + h * D, row + h * D, sizeof(float) * (size_t)D);
+        rope_head(q + h * D, c, sn, D);
+      }
+      for (int64_t g = 0; g < Hk; ++g) {
+        const float *kin = row + (H + g) * D, *vin = row + (H + Hk + g) * D;
+        if (k_w) rmsnorm_row(kin, k_w, kk, D, qk_eps);
+        else memcpy(kk, kin, sizeof(float) * (size_t)D);
+        rope_head(kk, c, sn, D);
+        float *ktg = kt + (b * Hk + g) * D * cap, *vg = v + (b * Hk + g) * cap * D;
+        for (int64_t d = 0; d < D; ++d) ktg[d * cap + col] = kk[d];
+        memcpy(vg + col * D, vin, sizeof(float) * (size_t)D);
+        attend(q + g * R * D, ktg, vg, mask + (b * Hk + g) * cap, out + b * H * D + g * R * D, s, R, D, cap, n, scale);
+      }
+    }
+    free(s);
+  }
+}

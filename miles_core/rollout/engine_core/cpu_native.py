@@ -1,0 +1,153 @@
+"""The fused fp32 CPU kernels of the decode window (``cpu_native.c``), built with the system's C compiler.
+
+:meth:`NativeKernels.load` compiles ``cpu_native.c`` once per source, compiler and CPU into a cache
+folder (``$MILES_CACHE_DIR/native``, else ``$XDG_CACHE_HOME/miles/native``, else
+``~/.cache/miles/native``; about a second) and loads it with :mod:`ctypes`; later loads find the
+library there. It is built with ``-march=native``, so the CPU's flags are part of the cache key: a
+cache folder shared by different machines holds one build per kind of CPU. The kernels take raw
+pointers: the callers pass contiguous fp32 CPU tensors of the shapes documented on each method
+(:mod:`.cpu_decode` does).
+
+``EngineConfig.cpu_kernels`` picks them: ``"auto"`` (the default) uses them when they build and falls
+back to the torch ops with one warning when they do not (no C compiler, say); ``"native"`` raises
+instead; ``"torch"`` never builds them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_native.c")
+FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-std=gnu11"]
+MAX_HEAD_DIM = 256  # the kernels' limit (cpu_native.c); D must also be a multiple of 16
+
+
+class NativeBuildError(RuntimeError):
+    """The C compiler is missing or failed; the message holds its output."""
+
+
+def cache_dir() -> Path:
+    if os.environ.get("MILES_CACHE_DIR"):
+        return Path(os.environ["MILES_CACHE_DIR"]) / "native"
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "miles" / "native"
+
+
+def _cpu_signature() -> str:
+    """The CPU's feature flags (x86 ``flags``, Arm ``Features``): what ``-march=native`` compiles for."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build(out_dir: Path | None = None, cc: str | None = None) -> Path:
+    """Compile ``cpu_native.c`` (with OpenMP when the compiler has it) unless a build for this source,
+    compiler and CPU is already in ``out_dir``; return the library's path. The library is written
+    under a temporary name and renamed into place, so concurrent builds never load a half-written file."""
+    cc = cc or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc or not shutil.which(cc.split()[0]):
+        raise NativeBuildError(f"no C compiler found (set CC, or install gcc or clang); tried {cc or 'cc, gcc, clang'}")
+    out_dir = Path(out_dir or cache_dir())
+    try:
+        version = subprocess.run([*cc.split(), "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeBuildError(f"C compiler {cc!r} does not run: {e}") from e
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, " ".join(FLAGS), platform.machine(),
+                                    _cpu_signature()]).encode()).hexdigest()[:16]
+    lib = out_dir / f"cpu_native-{key}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for extra in (["-fopenmp"], []):  # without OpenMP the kernels run on one thread
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        cmd = [*cc.split(), *FLAGS, *extra, str(SOURCE), "-o", tmp, "-lm"]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:
+            res = None
+            errors.append(f"{' '.join(cmd)}: {e}")
+        if res is not None and res.returncode == 0:
+            os.replace(tmp, lib)
+            return lib
+        if res is not None:
+            errors.append(f"{' '.join(cmd)} exited {res.returncode}:\n{res.stderr.strip()[-2000:]}")
+        Path(tmp).unlink(missing_ok=True)
+    raise NativeBuildError("building the CPU decode kernels failed:\n" + "\n".join(errors))
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeKernels:
+    """The loaded library. Every tensor argument is a contiguous fp32 CPU tensor (rows may be strided
+    where a ``*_stride`` is passed: the row stride in elements)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        self._rmsnorm = lib.miles_rmsnorm
+        self._rmsnorm.argtypes = [p, i, p, p, i, i, f]
+        self._silu_mul = lib.miles_silu_mul
+        self._silu_mul.argtypes = [p, p, i, i]
+        self._attn = lib.miles_attn_step
+        self._attn.argtypes = [p, i, p, p, i, p, p, f, p, p, p, p, i, i, i, i, i, i, f]
+        for fn in (self._rmsnorm, self._silu_mul, self._attn):
+            fn.restype = None
+
+    @classmethod
+    def load(cls, mode: str = "auto") -> NativeKernels | None:
+        """The kernels for ``EngineConfig.cpu_kernels`` = ``mode``: None for ``"torch"``, and for
+        ``"auto"`` when they do not build (logged once per load); ``"native"`` raises then."""
+        if mode == "torch":
+            return None
+        try:
+            return cls(build())
+        except (NativeBuildError, OSError) as e:
+            if mode == "native":
+                raise
+            log.warning("CPU decode kernels unavailable, decoding with torch ops (engine.cpu_kernels='torch' "
+                        "silences this): %s", e)
+            return None
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+        """``out[r] = weight * x[r] * rsqrt(mean(x[r]^2) + eps)``; x [rows, n] (row stride free), out [rows, n]."""
+        rows, n = x.shape
+        self._rmsnorm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, n, eps)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out = silu(gate) * up`` with ``gate_up = [gate | up]`` [rows, 2I]; out [rows, I]."""
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], out.shape[1])
+        return out
+
+    def attn_step(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_w: torch.Tensor | None,
+                  k_w: torch.Tensor | None, qk_eps: float, kt: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                  out: torch.Tensor, heads: int, col: int, scale: float) -> torch.Tensor:
+        """One layer's decode attention: qkv [B, (H + 2 Hk) D] (row stride free); cos, sin [B, D] (row
+        stride free); q_w, k_w [D] per-head RMSNorm weights or None; kt [B, Hk, D, cap], v [B, Hk, cap,
+        D], mask [B * Hk, cap]; out [B, H D]. Writes the new K/V into column ``col`` and attends over
+        columns ``[0, col]``."""
+        b, hk, d, cap = kt.shape
+        self._attn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), _ptr(q_w), _ptr(k_w),
+                   qk_eps, kt.data_ptr(), v.data_ptr(), mask.data_ptr(), out.data_ptr(), b, heads, hk, d, cap, col, scale)
+        return out

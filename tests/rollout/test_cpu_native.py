@@ -1,0 +1,143 @@
+"""The CPU decode window's fused C kernels (cpu_native.c): each kernel against the torch ops it replaces,
+the engine with them against the engine without them and against transformers, and the build: cached,
+and a clear error (engine.cpu_kernels='native') or the torch ops (the default 'auto') without a C compiler.
+
+The kernels are built with the machine's C compiler (CI has gcc); where none is found the kernel tests skip
+and say so."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import load_miles, make_hf_model
+
+from miles_core.errors import ConfigError
+from miles_core.kernels.rmsnorm import rmsnorm_torch
+from miles_core.kernels.rope import rope_torch
+from miles_core.rollout.base import SamplingParams
+from miles_core.rollout.engine_core import cpu_native
+from miles_core.rollout.engine_core.config import EngineConfig
+from miles_core.rollout.engine_core.core import EngineCore
+from miles_core.rollout.engine_core.cpu_native import NativeBuildError, NativeKernels
+
+
+@pytest.fixture(scope="module")
+def nat(tmp_path_factory):
+    try:
+        return NativeKernels(cpu_native.build(tmp_path_factory.mktemp("native")))
+    except NativeBuildError as e:
+        pytest.skip(f"no C compiler to build cpu_native.c: {e}")
+
+
+def reference_step(qkv, cos, sin, q_w, k_w, eps, kt, v, mask, heads, col, scale):
+    """What the torch path of cpu_decode.window computes for one layer and step (norms, rotary, the column
+    write, baddbmm + softmax + bmm); returns (out, kt, v) with the column written into copies."""
+    b, hk, d, cap = kt.shape
+    q = qkv[:, : heads * d].reshape(b, heads, 1, d)
+    k = qkv[:, heads * d : (heads + hk) * d].reshape(b, hk, 1, d)
+    if q_w is not None:
+        q, k = rmsnorm_torch(q, q_w, eps), rmsnorm_torch(k, k_w, eps)
+    c, s = cos[:, None, None], sin[:, None, None]
+    q, k = rope_torch(q, c, s), rope_torch(k, c, s)
+    kt, v = kt.clone(), v.clone()
+    kt[..., col] = k.view(b, hk, d)
+    v[:, :, col] = qkv[:, (heads + hk) * d :].view(b, hk, d)
+    scores = torch.baddbmm(mask[:, None, : col + 1], q.reshape(b * hk, heads // hk, d), kt.view(b * hk, d, cap)[..., : col + 1], alpha=scale)
+    out = torch.bmm(torch.softmax(scores, -1), v.view(b * hk, cap, d)[:, : col + 1]).reshape(b, heads * d)
+    return out, kt, v
+
+
+@pytest.mark.parametrize("b,heads,kv_heads,d,cap,col,qk_norm", [
+    (1, 4, 2, 32, 40, 0, False),  # the first column only
+    (3, 4, 2, 32, 40, 17, False),  # a tail of columns past the last 16
+    (5, 16, 8, 128, 300, 255, True),  # Qwen3-0.6B's heads, q/k norm
+    (2, 32, 4, 64, 100, 63, False),  # 8 query heads per KV head
+    (4, 12, 1, 32, 64, 31, False),  # 12 per KV head: two row chunks of the score pass, three of the PV pass
+    (64, 4, 2, 32, 392, 300, False),  # the quickstart model at batch 64 (the rows run on OpenMP threads)
+    (2, 6, 2, 16, 20, 19, True),
+])
+def test_attention_step_matches_the_torch_ops(nat, b, heads, kv_heads, d, cap, col, qk_norm):
+    g = torch.Generator().manual_seed(col)
+    qkv = torch.randn(b, (heads + 2 * kv_heads) * d + 3, generator=g)[:, 3:]  # rows strided, as a view may be
+    pos = torch.randint(0, 4000, (b,), generator=g).float()
+    ang = pos[:, None] / 10000 ** (torch.arange(0, d, 2).float() / d)
+    ang = torch.cat([ang, ang], -1)
+    cos, sin = ang.cos(), ang.sin()
+    kt, v = torch.randn(b, kv_heads, d, cap, generator=g), torch.randn(b, kv_heads, cap, d, generator=g)
+    mask = torch.zeros(b * kv_heads, cap)
+    mask[::2, : col // 2] = float("-inf")  # every other row starts later (left out of its context)
+    q_w = torch.rand(d, generator=g) + 0.5 if qk_norm else None
+    k_w = torch.rand(d, generator=g) + 0.5 if qk_norm else None
+    ref, kt_ref, v_ref = reference_step(qkv, cos, sin, q_w, k_w, 1e-6, kt, v, mask, heads, col, d**-0.5)
+    out = torch.full((b, heads * d), float("nan"))
+    nat.attn_step(qkv, cos, sin, q_w, k_w, 1e-6, kt, v, mask, out, heads, col, d**-0.5)
+    assert torch.equal(v, v_ref)  # the V column is a copy
+    if qk_norm:  # the norm's sum runs in another order: rounding
+        assert torch.allclose(kt, kt_ref, atol=2e-6, rtol=0)
+    else:  # the rotary is rope_torch's arithmetic, operation for operation
+        assert torch.equal(kt, kt_ref)
+    assert torch.allclose(out, ref, atol=2e-6, rtol=0)
+
+
+def test_rmsnorm_and_silu_mul_match_the_torch_ops(nat):
+    g = torch.Generator().manual_seed(0)
+    for rows, n in ((1, 32), (37, 128), (600, 1024)):  # 600 x 1024: OpenMP threads
+        x = (torch.randn(rows, n + 5, generator=g) * torch.rand(rows, 1, generator=g) * 20)[:, :n]  # strided rows
+        w = torch.randn(n, generator=g)
+        out = nat.rmsnorm(x, w, 1e-6, torch.empty(rows, n))
+        assert torch.allclose(out, rmsnorm_torch(x, w, 1e-6), rtol=2e-6, atol=1e-6)
+    for rows, inter in ((1, 16), (33, 100), (300, 512)):  # 100: a tail past the last 16
+        gu = torch.randn(rows, 2 * inter, generator=g) * 10
+        gu[0, :4] = torch.tensor([-200.0, 200.0, -88.5, 0.0])  # exp's clamps
+        out = nat.silu_mul(gu, torch.empty(rows, inter))
+        ref = F.silu(gu[:, :inter]) * gu[:, inter:]
+        assert torch.isfinite(out).all()
+        assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_engine_with_the_kernels_matches_the_engine_without(nat, family, tmp_path):
+    make_hf_model(family, tmp_path, head_dim=16)
+    model = load_miles(tmp_path)
+    prompts = [[5, 17, 3, 44, 9, 21, 60, 2, 11], [7, 70, 33], list(range(1, 30))]
+    params = [SamplingParams(max_new_tokens=14, temperature=0), SamplingParams(max_new_tokens=20, temperature=0.9, seed=4),
+              SamplingParams(max_new_tokens=9, temperature=1.0, top_k=8, seed=2, top_logprobs=2)]
+    results = {}
+    for kernels in ("native", "torch"):
+        core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3, cpu_kernels=kernels))
+        reqs = [core.add_request(p, sp)[0] for p, sp in zip(prompts, params)]
+        while core.has_unfinished():
+            core.step()
+        assert (core._cpu._native is not None) == (kernels == "native")
+        results[kernels] = reqs
+    for a, b in zip(results["native"], results["torch"]):
+        assert a.output_ids == b.output_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+        if family == "qwen3_moe":
+            assert torch.equal(torch.cat(a.routed_experts), torch.cat(b.routed_experts))
+
+
+def test_build_is_cached_and_fails_clearly_without_a_compiler(tmp_path, monkeypatch, caplog):
+    if not any(cpu_native.shutil.which(c) for c in ("cc", "gcc", "clang")):
+        pytest.skip("no C compiler")
+    first = cpu_native.build(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert cpu_native.build(tmp_path) == first and first.stat().st_mtime_ns == mtime  # found, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left behind
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(NativeBuildError, match="no C compiler found"):
+        cpu_native.build(tmp_path)
+    with pytest.raises(NativeBuildError):
+        NativeKernels.load("native")
+    with caplog.at_level(logging.WARNING):
+        assert NativeKernels.load("auto") is None
+    assert "cpu_kernels='torch'" in caplog.text
+    monkeypatch.setenv("CC", "false")  # a "compiler" that fails: the error carries the command
+    with pytest.raises(NativeBuildError, match="exited 1"):
+        cpu_native.build(tmp_path / "other")
+
+
+def test_cpu_kernels_setting_is_validated():
+    with pytest.raises(ConfigError, match="cpu_kernels"):
+        EngineConfig(cpu_kernels="fast").validate()
