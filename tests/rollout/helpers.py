@@ -53,11 +53,13 @@ def load_miles(path: Path):
     return model.eval()
 
 
-def tiny(seed: int = 0, vocab: int = 80):
+def tiny(seed: int = 0, vocab: int = 80, head_dim: int | None = None):
+    """head_dim None: 8 (hidden 32 / 4 heads); 16 lets the CPU decode window's fused kernels run."""
     from miles_core.models.decoder import Decoder, DecoderConfig
 
     torch.manual_seed(seed)
-    m = Decoder(DecoderConfig(vocab_size=vocab, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64))
+    m = Decoder(DecoderConfig(vocab_size=vocab, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                              head_dim=head_dim))
     with torch.no_grad():
         for p in m.parameters():
             if p.dim() > 1:

@@ -23,6 +23,25 @@ def run(model, window: bool, script, **cfg):
     return reqs, core
 
 
+def model_for(kernels: str, seed: int):
+    """``kernels`` "torch": the torch ops of the window (head_dim 8); "native": its fused C kernels (head_dim 16),
+    skipped where they cannot be built (no C compiler)."""
+    if kernels == "native":
+        from miles_core.rollout.engine_core.cpu_native import NativeBuildError, build
+
+        try:
+            build()
+        except NativeBuildError as e:
+            pytest.skip(f"cpu_native.c not built: {e}")
+        return tiny(seed, head_dim=16)
+    return tiny(seed)
+
+
+def cap_of(kernels: str, columns: int) -> int:
+    """The buffer's capacity for ``columns``: the fused kernels' keys come in blocks of 16 columns."""
+    return -(-columns // 16) * 16 if kernels == "native" else columns
+
+
 def assert_same(got, ref):
     for g, r in zip(got, ref):
         assert g.output_ids == r.output_ids
@@ -55,9 +74,10 @@ def test_window_matches_generic_path_greedy_sampled_stops_and_joins():
         assert torch.allclose(torch.tensor([v for _, v in g]), torch.tensor([v for _, v in r]), atol=1e-5)
 
 
-def test_buffer_is_kept_across_windows_and_sized_once():
-    model = tiny(1)
-    core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3))
+@pytest.mark.parametrize("kernels", ["torch", "native"])
+def test_buffer_is_kept_across_windows_and_sized_once(kernels):
+    model = model_for(kernels, 1)
+    core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3, cpu_kernels=kernels))
     gathers, caps = [], []
     gather, reset = core._cpu._gather, core._cpu.reset
     core._cpu._gather = lambda *a: (gathers.append(a[2:4]), gather(*a))[1]  # spies: the gathers from pages,
@@ -72,20 +92,22 @@ def test_buffer_is_kept_across_windows_and_sized_once():
     n = len(P[1])
     assert gathers == [(n, 60)]
     # freed at the end, no larger than the generation plus a page of rounding and a window of overrun
-    assert core._cpu.kt is None and n + 60 <= caps[0] <= n + 60 + 4 + 3
+    assert core._cpu.k is None and n + 60 <= caps[0] <= cap_of(kernels, n + 60 + 4 + 3)
+    assert (core._cpu._native is not None) == (kernels == "native")  # the path under test ran
     ref, _ = run(model, False, [(P[1], SamplingParams(max_new_tokens=60, temperature=0.8, seed=4 + i)) for i in range(2)])
     assert_same(group, ref)
 
 
-def test_rows_that_finish_leave_the_buffer_without_a_gather():
+@pytest.mark.parametrize("kernels", ["torch", "native"])
+def test_rows_that_finish_leave_the_buffer_without_a_gather(kernels):
     """Requests ending at different times (length, a stop token): the rows left are selected from the
     kept buffer, not gathered from the pages again; tokens and logprobs as the generic path's."""
-    model = tiny(1)
+    model = model_for(kernels, 1)
     script = [(P[0], SamplingParams(max_new_tokens=5, temperature=0.8, seed=1)),
               (P[1], SamplingParams(max_new_tokens=20, temperature=0.8, seed=2)),
               (P[2], SamplingParams(max_new_tokens=11, temperature=0, ignore_eos=True)),
               (P[3], SamplingParams(max_new_tokens=14, temperature=0.9, seed=3))]
-    core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3))
+    core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3, cpu_kernels=kernels))
     gathers, keeps = [], []
     gather, keep = core._cpu._gather, core._cpu._keep_rows
     core._cpu._gather = lambda *a: (gathers.append(a[0].shape[0]), gather(*a))[1]
@@ -100,31 +122,33 @@ def test_rows_that_finish_leave_the_buffer_without_a_gather():
     assert_same(got, ref)
 
 
-def test_buffer_grows_when_the_memory_budget_cuts_it():
+@pytest.mark.parametrize("kernels", ["torch", "native"])
+def test_buffer_grows_when_the_memory_budget_cuts_it(kernels):
     """A long prompt beside a short one, both decoding ~60 tokens: the buffer's first size is cut
     to the paged cache's slots per row, then it doubles; tokens and logprobs as the generic path's."""
-    model = tiny(1)
+    model = model_for(kernels, 1)
     script = [(list(range(1, 41)), SamplingParams(max_new_tokens=55, temperature=0.8, seed=1)),
               (P[1], SamplingParams(max_new_tokens=60, temperature=0.8, seed=2))]
     cfg = dict(num_blocks=40, max_model_len=128)  # ~170 slots: ~85 per row, of which the context takes 40
-    core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3, **cfg))
+    core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3, cpu_kernels=kernels, **cfg))
     caps = []
     ensure = core._cpu._ensure_room
     core._cpu._ensure_room = lambda k: (ensure(k), caps.append(core._cpu.mask.shape[-1]))[0]
     got = [core.add_request(p, params)[0] for p, params in script]
     while core.has_unfinished():
         core.step()
-    first = 40 + (core.runner.kv.shape[2] // 2 - 40) + 3  # t0 + the budget's columns (< 60) + a window
+    first = cap_of(kernels, 40 + (core.runner.kv.shape[2] // 2 - 40) + 3)  # t0 + the budget's columns (< 60) + a window
     assert caps[0] == first and max(caps) > first  # cut, then grown
     ref, _ = run(model, False, script, **cfg)
     assert_same(got, ref)
 
 
-def test_decoded_kv_written_back_to_pages():
+@pytest.mark.parametrize("kernels", ["torch", "native"])
+def test_decoded_kv_written_back_to_pages(kernels):
     """A prompt that extends a finished request's prompt + output reuses the pages its decode windows
     wrote (prefix cache); its tokens must equal a run that computes everything afresh."""
-    model = tiny(2)
-    core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3))
+    model = model_for(kernels, 2)
+    core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3, cpu_kernels=kernels))
     (a,) = core.add_request(P[0], SamplingParams(max_new_tokens=14, temperature=0))
     while core.has_unfinished():
         core.step()

@@ -81,27 +81,39 @@ class CpuDecoder:
         """Forget the kept buffer (the KV cache was reallocated or released)."""
         self.rows: list = []  # the requests of the kept buffer, in row order
         self.next_pos: list[int] = []  # the position each row decodes next
-        self.kt: torch.Tensor | None = None  # [L, B, Hk, D, cap] keys, transposed
+        # keys: [L, B, Hk, D, cap] transposed (the torch ops' batched matmul) or, with the fused kernels
+        # (self.blocked), [L, B, Hk, cap / 16, D, 16] in blocks of 16 columns (read as one contiguous run)
+        self.k: torch.Tensor | None = None
+        self.blocked = False
         self.v: torch.Tensor | None = None  # [L, B, Hk, cap, D]
         self.mask: torch.Tensor | None = None  # [B*Hk, 1, cap] additive: 0 = column in the row's context, -inf = not
         self.used = 0
 
     # ------------------------------------------------------------------ the K/V buffer
-    def _gather(self, pos0: torch.Tensor, block_tables: torch.Tensor, max_pos: int, remaining: int, steps: int) -> None:
+    def _gather(self, pos0: torch.Tensor, block_tables: torch.Tensor, max_pos: int, remaining: int, steps: int,
+                blocked: bool) -> None:
         """Fill a new buffer with the rows' context (positions ``< pos0``), with room for
         ``remaining`` more columns (the most tokens any row can still decode) plus a window's
         overrun, as far as the memory budget allows: then one allocation serves the rows' whole
         generation (growing the buffer copies every column). The budget: the buffer holds no more
-        token slots than the paged cache (``B * cap <= slots``), so it at most doubles KV memory."""
+        token slots than the paged cache (``B * cap <= slots``), so it at most doubles KV memory.
+        ``blocked``: the keys in blocks of 16 columns (cap a multiple of 16), for the fused kernels."""
         run, p = self.runner, self.runner.block_size
         b, hk, d, nl = pos0.shape[0], run.kv_heads, run.head_dim, run.num_layers
         t0 = max(p, -(-max_pos // p) * p)
         old = run.kv.index_select(2, gather_slots(block_tables, t0, p).flatten())  # [L, 2, B*T0, Hk, D]
         old = old.view(nl, 2, b, t0, hk, d)
         cap = t0 + max(steps, min(remaining, run.kv.shape[2] // b - t0)) + steps
-        self.kt = torch.empty(nl, b, hk, d, cap, dtype=run.dtype)
+        if blocked:
+            cap, t16 = -(-cap // 16) * 16, -(-t0 // 16) * 16
+            self.k = torch.empty(nl, b, hk, cap // 16, d, 16, dtype=run.dtype)
+            keys = F.pad(old[:, 0], (0, 0, 0, 0, 0, t16 - t0))  # [L, B, T16, Hk, D]
+            self.k[:, :, :, : t16 // 16].copy_(keys.view(nl, b, t16 // 16, 16, hk, d).permute(0, 1, 4, 2, 5, 3))
+        else:
+            self.k = torch.empty(nl, b, hk, d, cap, dtype=run.dtype)
+            self.k[..., :t0].copy_(old[:, 0].permute(0, 1, 3, 4, 2))
+        self.blocked = blocked
         self.v = torch.empty(nl, b, hk, cap, d, dtype=run.dtype)
-        self.kt[..., :t0].copy_(old[:, 0].permute(0, 1, 3, 4, 2))
         self.v[..., :t0, :].copy_(old[:, 1].transpose(2, 3))
         self.mask = torch.zeros(b * hk, 1, cap, dtype=run.dtype)  # one row per (row, KV head)
         pad = (torch.arange(t0)[None, :] >= pos0[:, None])[:, None, :].expand(b, hk, t0).reshape(b * hk, 1, t0)
@@ -117,7 +129,7 @@ class CpuDecoder:
         if not reqs or min(keep) < 0 or any(self.next_pos[i] != n for i, n in zip(keep, positions)):
             return False
         idx = torch.tensor(keep)
-        self.kt, self.v = self.kt.index_select(1, idx), self.v.index_select(1, idx)
+        self.k, self.v = self.k.index_select(1, idx), self.v.index_select(1, idx)
         hk = self.runner.kv_heads
         self.mask = self.mask.view(-1, hk, self.mask.shape[-1]).index_select(0, idx).view(len(keep) * hk, 1, -1)
         self.rows, self.next_pos = list(reqs), list(positions)
@@ -129,13 +141,18 @@ class CpuDecoder:
         if u + steps <= self.mask.shape[-1]:
             return
         cap = 2 * u + steps
-        kt = self.kt.new_empty(*self.kt.shape[:4], cap)
-        kt[..., :u].copy_(self.kt[..., :u])
+        if self.blocked:
+            cap, nbu = -(-cap // 16) * 16, -(-u // 16)
+            k = self.k.new_empty(*self.k.shape[:3], cap // 16, *self.k.shape[4:])
+            k[:, :, :, :nbu].copy_(self.k[:, :, :, :nbu])
+        else:
+            k = self.k.new_empty(*self.k.shape[:4], cap)
+            k[..., :u].copy_(self.k[..., :u])
         v = self.v.new_empty(*self.v.shape[:3], cap, self.v.shape[4])
         v[..., :u, :].copy_(self.v[..., :u, :])
         mask = self.mask.new_zeros(*self.mask.shape[:2], cap)
         mask[..., :u] = self.mask[..., :u]
-        self.kt, self.v, self.mask = kt, v, mask
+        self.k, self.v, self.mask = k, v, mask
 
     def _window_statics(self) -> tuple:
         """What every window uses and no token changes: the layer plans, the rotary
@@ -189,16 +206,17 @@ class CpuDecoder:
         to ``pos0 + steps - 1``, or padding 0); ``sample(logits [B, V], j) -> (tok, logp, top)``."""
         run, model, p, k = self.runner, self.runner.model, self.runner.block_size, steps
         b, hk, d = tokens.shape[0], run.kv_heads, run.head_dim
+        plan, (cos_t, sin_t, sin_plain), fn, head_w, nplan = self._window_statics()
+        blocked = nplan is not None  # the fused kernels' key layout
         positions = [r.num_tokens - 1 for r in reqs]
         same = len(reqs) == len(self.rows) and all(x is y for x, y in zip(reqs, self.rows)) and positions == self.next_pos
-        if not same and not self._keep_rows(reqs, positions):
+        if self.blocked != blocked or not (same or self._keep_rows(reqs, positions)):
             remaining = max(final_len(r, self.max_model_len) - n for r, n in zip(reqs, positions))
-            self._gather(pos0, block_tables, max(positions), remaining, k)
+            self._gather(pos0, block_tables, max(positions), remaining, k, blocked)
         self._ensure_room(k)
-        t0, kt, vw = self.used, self.kt, self.v
+        t0, kt, vw = self.used, self.k, self.v
         # the window's positions, rotary tables and page slots
         wpos = pos0[:, None] + torch.arange(k)  # [B, K]
-        plan, (cos_t, sin_t, sin_plain), fn, head_w, nplan = self._window_statics()
         if nplan is not None:  # the fused kernels take each row's cos / sin [D] of the step's position
             cos = cos_t[wpos].view(b, k, d).transpose(0, 1)  # [K, B, D]: step j's rows, row stride K * D
             sin = sin_plain[wpos].view(b, k, d).transpose(0, 1)
@@ -260,7 +278,13 @@ class CpuDecoder:
                 routes.append(torch.stack(routed, 1))
         # the window's new K/V into the paged cache: [L, B, Hk, .., K, ..] -> [L, B*K, Hk, D] at slots [B*K]
         nl, flat = run.num_layers, wslots.flatten()
-        run.kv[:, 0].index_copy_(1, flat, kt[..., t0 : t0 + k].permute(0, 1, 4, 2, 3).reshape(nl, b * k, hk, d))
+        if self.blocked:  # the blocks that hold columns t0 .. t0+k-1, as [L, B, T, Hk, D]
+            b0, b1 = t0 // 16, -(-(t0 + k) // 16)
+            keys = kt[:, :, :, b0:b1].permute(0, 1, 3, 5, 2, 4).reshape(nl, b, 16 * (b1 - b0), hk, d)
+            keys = keys[:, :, t0 - 16 * b0 : t0 - 16 * b0 + k]
+        else:
+            keys = kt[..., t0 : t0 + k].permute(0, 1, 4, 2, 3)
+        run.kv[:, 0].index_copy_(1, flat, keys.reshape(nl, b * k, hk, d))
         run.kv[:, 1].index_copy_(1, flat, vw[..., t0 : t0 + k, :].transpose(2, 3).reshape(nl, b * k, hk, d))
         self.used = t0 + k  # mask columns past the old `used` are 0 already: these are now context
         self.rows, self.next_pos = list(reqs), [x + k for x in positions]

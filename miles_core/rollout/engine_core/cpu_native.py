@@ -141,13 +141,13 @@ class NativeKernels:
         return out
 
     def attn_step(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_w: torch.Tensor | None,
-                  k_w: torch.Tensor | None, qk_eps: float, kt: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                  k_w: torch.Tensor | None, qk_eps: float, kb: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                   out: torch.Tensor, heads: int, col: int, scale: float) -> torch.Tensor:
         """One layer's decode attention: qkv [B, (H + 2 Hk) D] (row stride free); cos, sin [B, D] (row
-        stride free); q_w, k_w [D] per-head RMSNorm weights or None; kt [B, Hk, D, cap], v [B, Hk, cap,
-        D], mask [B * Hk, cap]; out [B, H D]. Writes the new K/V into column ``col`` and attends over
-        columns ``[0, col]``."""
-        b, hk, d, cap = kt.shape
+        stride free); q_w, k_w [D] per-head RMSNorm weights or None; kb [B, Hk, cap / 16, D, 16] (K in
+        blocks of 16 columns), v [B, Hk, cap, D], mask [B * Hk, cap]; out [B, H D]. Writes the new K/V
+        into column ``col`` and attends over columns ``[0, col]``."""
+        b, hk, nb, d, _ = kb.shape
         self._attn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), _ptr(q_w), _ptr(k_w),
-                   qk_eps, kt.data_ptr(), v.data_ptr(), mask.data_ptr(), out.data_ptr(), b, heads, hk, d, cap, col, scale)
+                   qk_eps, kb.data_ptr(), v.data_ptr(), mask.data_ptr(), out.data_ptr(), b, heads, hk, d, nb * 16, col, scale)
         return out
