@@ -29,6 +29,9 @@ class RolloutConfig:
     # built-in engine on GPU: the share of the free memory (after its weights) taken for the KV cache,
     # once at start-up; 0 = the engine's default (0.5). Lower it when the trainer shares the GPU.
     kv_memory_fraction: float = 0.0
+    # built-in engine on CPU, fp32: auto = the decode window's fused C kernels (built with the system C
+    # compiler at first use; torch ops where that fails) | native (an error where they do not build) | torch
+    cpu_kernels: str = "auto"
     sglang: SglangConfig = field(default_factory=SglangConfig)  # rollout.backend=sglang
 
     def validate(self) -> None:
@@ -48,6 +51,8 @@ class RolloutConfig:
             raise ConfigError(f"rollout.dtype must be one of {', '.join(ROLLOUT_DTYPES)}, got '{self.dtype}'")
         if not 0 <= self.kv_memory_fraction <= 1:
             raise ConfigError(f"rollout.kv_memory_fraction must be in [0, 1] (0 = the engine's default), got {self.kv_memory_fraction}")
+        if self.cpu_kernels not in ("auto", "native", "torch"):
+            raise ConfigError(f"rollout.cpu_kernels must be 'auto', 'native' or 'torch', got '{self.cpu_kernels}'")
         if self.top_k < 0:
             raise ConfigError(f"rollout.top_k must be >= 0, got {self.top_k}")
         self.sglang.validate()

@@ -18,13 +18,14 @@ def engine_dtype(name: str, precision, device: torch.device) -> torch.dtype | No
 
 def engine_config(r) -> EngineConfig | None:
     """The engine settings ``rollout.*`` overrides (None: all the engine's defaults)."""
-    if not r.decode_steps and not r.kv_memory_fraction:
+    if not r.decode_steps and not r.kv_memory_fraction and r.cpu_kernels == "auto":
         return None
     engine = EngineConfig(max_num_seqs=min(r.max_batch_size, 256))
     if r.decode_steps:
         engine.decode_steps = r.decode_steps
     if r.kv_memory_fraction:
         engine.kv_memory_fraction = r.kv_memory_fraction
+    engine.cpu_kernels = r.cpu_kernels
     return engine
 
 

@@ -86,3 +86,7 @@ def test_rollout_settings_reach_the_engine_config():
     assert (e.decode_steps, e.kv_memory_fraction) == (8, 0.2)
     with pytest.raises(ConfigError, match="rollout.kv_memory_fraction"):
         RolloutConfig(kv_memory_fraction=1.5).validate()
+    e = engine_config(RolloutConfig(cpu_kernels="torch"))
+    assert (e.cpu_kernels, e.decode_steps) == ("torch", 8)
+    with pytest.raises(ConfigError, match="rollout.cpu_kernels"):
+        RolloutConfig(cpu_kernels="c").validate()

@@ -6,7 +6,8 @@ path does, once per window, everything that does not depend on the tokens drawn 
 leaves each step only the model's own ops:
 
 * the rows' K/V live in contiguous buffers per layer, K transposed ``[B, Hk, D, cap]`` and V
-  ``[B, Hk, cap, D]`` (the operands of two batched matmuls as they are): columns
+  ``[B, Hk, cap, D]`` (the operands of two batched matmuls as they are; with the fused C kernels
+  below, K in blocks of 16 columns ``[B, Hk, cap / 16, D, 16]``): columns
   ``[0, used)`` hold each row's context (row ``b``'s valid columns are marked in an additive mask,
   0 or -inf, one row per (row, KV head); the columns past ``used`` are 0), step ``j`` writes its
   new K/V into column ``used + j`` and attends over columns ``[0, used + j]``. The buffer is
@@ -30,6 +31,11 @@ rounding (the masked columns add exact zeros; the summation order differs: logpr
 ~1e-6). Every norm, rotary and SwiGLU call is the decoder's own kernel op or a bit-identical
 stand-in (below), every projection the same (fused) weight, so engine and trainer still compute
 the same function. Steps run under ``torch.inference_mode``.
+
+In fp32, where the model holds the reference norm / rotary / SwiGLU ops and head_dim is a multiple of
+16, each layer of a step instead runs as four GEMMs and three calls into :mod:`.cpu_native` (norm;
+q/k norm + rotary + K/V column write + attention; SwiGLU): ``engine.cpu_kernels``, ``auto`` by
+default. Those sum in another order than torch (rounding only); the torch ops stay the fallback.
 
 A request that ends inside the window still computes to its end; its extra tokens' K/V land in
 its own pages or the padding page 0 and are never read (as in the generic path).
