@@ -14,12 +14,14 @@ also gives the engine's fraction of the HBM roofline::
 embedding is counted once as the lm_head).
 
 GPU (H200):  python benchmarks/rollout_bench.py --preset gpu
-CPU:         python benchmarks/rollout_bench.py --preset cpu
+CPU:         python benchmarks/rollout_bench.py --preset cpu --repeats 5   # medians of 5 alternated runs
              python benchmarks/rollout_bench.py --preset quickstart   # `miles run`'s own rollout: 64 prompts x 8
                                                                        # samples, 7 new tokens, temperature 1
 With ``--samples-per-prompt n`` (the quickstart preset: 8) a batch of B sequences is B/n prompts sampled n times
 each: the engine's ``add_request(n=n)`` (the samples share the prompt's KV), HF's ``num_return_sequences=n``.
-If env OUT is set, the table is also written to $OUT/rollout_bench.json.
+On a shared machine the load moves both sides run to run: ``--repeats R`` alternates engine and HF R times per
+batch and reports the median tok/s of each and the median of the R per-pair speedups. ``--cpu-kernels torch``
+runs the CPU decode window without its fused C kernels (cpu_native.c). If env OUT is set, the table is also written to $OUT/rollout_bench.json.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -122,6 +125,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--skip-hf", action="store_true", help="engine only")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed runs per batch, engine and HF alternated; the table shows the medians and the "
+                         "speedup is the median of the per-pair ratios (a shared machine's load moves both)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = leave as is)")
     ap.add_argument("--decode-steps", type=int, default=None, help="engine decode steps per host sync")
     ap.add_argument("--no-splitk", action="store_true", help="engine: o_proj/down_proj through cuBLAS at decode, not the split-K Triton GEMM")
@@ -197,11 +203,23 @@ def main() -> None:
     rows = []
     for b in batches:
         prompts = torch.randint(1, a.vocab, (b // n, a.prompt_len), generator=gen).tolist()
-        e_dt, e_out = bench_engine(core, prompts, a.new_tokens, dev, args.temperature, n)
+        e_dts, h_dts = [], []
+        for _ in range(max(1, args.repeats)):
+            e_dt, e_out = bench_engine(core, prompts, a.new_tokens, dev, args.temperature, n)
+            e_dts.append(e_dt)
+            if not args.skip_hf:
+                h_dt, h_out = bench_hf(hf, prompts, a.new_tokens, dev, args.temperature, n)
+                h_dts.append(h_dt)
+        e_dt = statistics.median(e_dts)
         row = {"batch": b, "engine_tok_s": b * a.new_tokens / e_dt, "engine_s": e_dt}
+        if len(e_dts) > 1:
+            row["engine_tok_s_runs"] = [round(b * a.new_tokens / x) for x in e_dts]
         if not args.skip_hf:
-            h_dt, h_out = bench_hf(hf, prompts, a.new_tokens, dev, args.temperature, n)
-            row.update(hf_tok_s=b * a.new_tokens / h_dt, hf_s=h_dt, speedup=h_dt / e_dt)
+            h_dt = statistics.median(h_dts)
+            row.update(hf_tok_s=b * a.new_tokens / h_dt, hf_s=h_dt, speedup=statistics.median(h / e for h, e in zip(h_dts, e_dts)))
+            if len(h_dts) > 1:
+                row.update(hf_tok_s_runs=[round(b * a.new_tokens / x) for x in h_dts],
+                           speedup_runs=[round(h / e, 2) for h, e in zip(h_dts, e_dts)])
             if args.temperature == 0:  # sampled outputs differ by construction (different random streams)
                 same = sum(x == y for x, y in zip(e_out, h_out.tolist()))
                 row["identical_sequences"] = f"{same}/{b}"
@@ -232,7 +250,8 @@ def main() -> None:
         hf_s = f"{r['hf_tok_s']:10.0f}" if "hf_tok_s" in r else f"{'-':>10}"
         sp = f"{r['speedup']:7.1f}x" if "speedup" in r else f"{'-':>8}"
         rf = f"{100 * r['roofline_frac']:7.1f}%" if "roofline_frac" in r else f"{'-':>8}"
-        print(f"{r['batch']:>6} | {r['engine_tok_s']:12.0f} | {hf_s} | {sp} | {rf} | {r.get('identical_sequences', '-')}")
+        runs = "  (per run: " + ", ".join(f"{x:.1f}x" for x in r["speedup_runs"]) + ")" if "speedup_runs" in r else ""
+        print(f"{r['batch']:>6} | {r['engine_tok_s']:12.0f} | {hf_s} | {sp} | {rf} | {r.get('identical_sequences', '-')}{runs}")
     out = os.environ.get("OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
