@@ -191,12 +191,13 @@ class CpuDecoder:
             self._native = NativeKernels.load(self.kernels)
         run = self.runner
         if (self._native is None or run.dtype != torch.float32 or not rolled or run.head_dim % 16
-                or run.head_dim > MAX_HEAD_DIM or final_norm[0] is not _rms_norm_fp32):
+                or run.head_dim > MAX_HEAD_DIM or final_norm[0] is not _rms_norm_fp32 or not final_norm[1].is_contiguous()):
             return None
         out = []
         for ln1, qkv_w, _rope, qk_norm, o_w, ln2, mlp, gate_up, act, down_w in plan:
             norms = (ln1, ln2, *(qk_norm or ()))
-            if any(n[0] is not _rms_norm_fp32 for n in norms) or (qk_norm and qk_norm[0][2] != qk_norm[1][2]):
+            if (any(n[0] is not _rms_norm_fp32 or not n[1].is_contiguous() for n in norms)
+                    or (qk_norm and qk_norm[0][2] != qk_norm[1][2])):
                 return None
             qw, kw, qk_eps = (qk_norm[0][1], qk_norm[1][1], qk_norm[0][2]) if qk_norm else (None, None, 0.0)
             out.append((ln1[1], ln1[2], qkv_w, qw, kw, qk_eps, o_w, ln2[1], ln2[2],
@@ -238,6 +239,8 @@ class CpuDecoder:
         nq, nk = h * d, hk * d
         embed = model.model.embed_tokens.weight
         if nplan is not None:  # the kernels' output buffers ([B, hidden], [B, H D], [B, I]); per layer K, V
+            # the kernels take raw pointers: every buffer they index must be contiguous
+            assert kt.is_contiguous() and vw.is_contiguous() and self.mask.is_contiguous()
             nat, mask2d, k_l, v_l = self._native, self.mask.view(b * hk, -1), kt.unbind(0), vw.unbind(0)
             inter = next((x[7].shape[1] // 2 for x in plan if x[7] is not None), 0)
             bufs = (torch.empty(b, embed.shape[1]), torch.empty(b, nq), torch.empty(b, inter))

@@ -241,6 +241,7 @@ void miles_attn_step(const float *qkv, int64_t qkv_stride, const float *cos, con
 #pragma omp parallel if (B * Hk * n * D >= 32768)
   {
     float *s = malloc(sizeof(float) * (size_t)(R * ns + H * D + D));
+    if (!s) abort(); /* a few KB: never silently skip rows */
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; ++b) {
       const float *row = qkv + b * qkv_stride, *c = cos + b * cs_stride, *sn = sin + b * cs_stride;
