@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import load_miles, make_hf_model
+from helpers import load_miles, make_hf_model, tiny
 
 from miles_core.errors import ConfigError
 from miles_core.kernels.rmsnorm import rmsnorm_torch
@@ -135,8 +135,15 @@ def test_build_is_cached_and_fails_clearly_without_a_compiler(tmp_path, monkeypa
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(NativeBuildError, match="no C compiler found"):
         cpu_native.build(tmp_path)
-    with pytest.raises(NativeBuildError):
+    with pytest.raises(NativeBuildError, match="cpu_kernels='native'"):
         NativeKernels.load("native")
+    with pytest.raises(NativeBuildError, match="no C compiler found"):  # at start-up, not at the first decode
+        EngineCore(tiny(), EngineConfig(cpu_kernels="native"))
+    core = EngineCore(tiny(seed=1, head_dim=16), EngineConfig(block_size=4))  # auto: falls back to the torch ops
+    (req,) = core.add_request([3, 9, 27], SamplingParams(max_new_tokens=6, temperature=0))
+    while core.has_unfinished():
+        core.step()
+    assert core._cpu._native is None and len(req.output_ids) == 6
     with caplog.at_level(logging.WARNING):
         assert NativeKernels.load("auto") is None
     assert "cpu_kernels='torch'" in caplog.text

@@ -79,6 +79,8 @@ class CpuDecoder:
         self.max_model_len = max_model_len  # the engine's (a request's final length is bounded by it)
         self.kernels = kernels  # EngineConfig.cpu_kernels
         self._native: NativeKernels | None | bool = False  # loaded at the first window (False: not yet)
+        if kernels == "native" and runner.device.type == "cpu":  # asked for: a build error shows at start-up
+            self._native = NativeKernels.load(kernels)
         self._statics_key: tuple = ()
         self._statics: tuple = ()
         self.reset()

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from miles_core.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
@@ -34,8 +36,9 @@ FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-std=
 MAX_HEAD_DIM = 256  # the kernels' limit (cpu_native.c); D must also be a multiple of 16
 
 
-class NativeBuildError(RuntimeError):
-    """The C compiler is missing or failed; the message holds its output."""
+class NativeBuildError(ConfigError):
+    """The C compiler is missing or failed; the message holds its output. A user error where
+    ``cpu_kernels="native"`` asked for the kernels (the CLI prints it and exits 2); ``"auto"`` logs it."""
 
 
 def cache_dir() -> Path:
@@ -124,7 +127,7 @@ class NativeKernels:
             return cls(build())
         except (NativeBuildError, OSError) as e:
             if mode == "native":
-                raise
+                raise NativeBuildError(f"engine.cpu_kernels='native' (rollout.cpu_kernels): {e}") from e
             log.warning("CPU decode kernels unavailable, decoding with torch ops (engine.cpu_kernels='torch' "
                         "silences this): %s", e)
             return None
