@@ -44,37 +44,13 @@ static inline float hmax(v16 x) {
   return m;
 }
 
-/* exp(x) for x <= 0 (softmax after subtracting the max): Cody-Waite reduction x = k ln2 + r, a degree-6
-   polynomial for exp(r) (the Cephes expf coefficients, ~1 ulp), 2^k through the exponent bits; x below -87
-   (or -inf) gives exactly 0. */
-static inline v16 exp_neg(v16 x) {
-  const i16 live = x >= -87.0f;
-  x = (v16)((i16)x & live) + (v16)((i16)splat(-87.0f) & ~live);
-  const v16 shifter = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-  v16 k = (x * 1.44269504088896341f + shifter) - shifter;
-  v16 r = x - k * 0.693359375f;
-  r = r - k * -2.12194440e-4f;
-  v16 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  i16 ki;
-  for (int i = 0; i < 16; ++i) ki[i] = (int32_t)k[i];
-  const v16 scale = (v16)((ki + 127) << 23);
-  return (v16)((i16)(p * scale) & live);
-}
+static inline v16 vselect(i16 take_a, v16 a, v16 b) { return (v16)(((i16)a & take_a) | ((i16)b & ~take_a)); }
 
-/* exp(x) for any x (silu): clamped to [-87, 88]. */
-static inline v16 exp_any(v16 x) {
-  const i16 hi = x > 88.0f;
-  x = (v16)((i16)x & ~hi) + (v16)((i16)splat(88.0f) & hi);
-  const i16 live = x >= -87.0f;
-  x = (v16)((i16)x & live) + (v16)((i16)splat(-87.0f) & ~live);
-  const v16 shifter = splat(12582912.0f);
-  v16 k = (x * 1.44269504088896341f + shifter) - shifter;
+/* exp(x) for x in [-87, 88]: Cody-Waite reduction x = k ln2 + r, a degree-6 polynomial for exp(r) (the Cephes
+   expf coefficients, ~1 ulp), 2^k through the exponent bits */
+static inline v16 exp_core(v16 x) {
+  const v16 shifter = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+  const v16 k = (x * 1.44269504088896341f + shifter) - shifter;
   v16 r = x - k * 0.693359375f;
   r = r - k * -2.12194440e-4f;
   v16 p = splat(1.9875691500e-4f);
@@ -87,6 +63,18 @@ static inline v16 exp_any(v16 x) {
   i16 ki;
   for (int i = 0; i < 16; ++i) ki[i] = (int32_t)k[i];
   return p * (v16)((ki + 127) << 23);
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the max): below -87 (or -inf) exactly 0 */
+static inline v16 exp_neg(v16 x) {
+  const i16 live = x >= -87.0f;
+  return (v16)((i16)exp_core(vselect(live, x, splat(-87.0f))) & live);
+}
+
+/* exp(x) for any x (silu): clamped to [-87, 88] */
+static inline v16 exp_any(v16 x) {
+  x = vselect(x > 88.0f, splat(88.0f), x);
+  return exp_core(vselect(x >= -87.0f, x, splat(-87.0f)));
 }
 
 /* ---------------------------------------------------------------- RMSNorm */
@@ -175,8 +163,7 @@ static void softmax_rows(float *s, int64_t R, int64_t n, int64_t ns) {
     v16 vm = splat(-INFINITY);
     for (; t + 16 <= n; t += 16) {
       const v16 a = ld(x + t);
-      const i16 gt = a > vm;
-      vm = (v16)(((i16)a & gt) | ((i16)vm & ~gt));
+      vm = vselect(a > vm, a, vm);
     }
     float mx = hmax(vm);
     for (; t < n; ++t) mx = x[t] > mx ? x[t] : mx;
