@@ -155,32 +155,23 @@ static inline __attribute__((always_inline)) void pv_block(const float *s, const
     for (int64_t j = 0; j < NJ; ++j) st(out + r * D + j0 + 16 * j, acc[r][j]);
 }
 
-/* softmax over s[r, :n] (row stride ns) for r < R, in place */
+/* softmax over s[r, :n] for r < R, in place; the rows have stride ns (n rounded up to 16): the lanes past n are set
+   to -inf first, so every pass runs on whole vectors and those lanes come out 0 */
 static void softmax_rows(float *s, int64_t R, int64_t n, int64_t ns) {
   for (int64_t r = 0; r < R; ++r) {
     float *x = s + r * ns;
-    int64_t t = 0;
+    for (int64_t t = n; t < ns; ++t) x[t] = -INFINITY;
     v16 vm = splat(-INFINITY);
-    for (; t + 16 <= n; t += 16) {
-      const v16 a = ld(x + t);
-      vm = vselect(a > vm, a, vm);
-    }
-    float mx = hmax(vm);
-    for (; t < n; ++t) mx = x[t] > mx ? x[t] : mx;
+    for (int64_t t = 0; t < ns; t += 16) vm = vselect(ld(x + t) > vm, ld(x + t), vm);
+    const float mx = hmax(vm);
     v16 vs = {0};
-    for (t = 0; t + 16 <= n; t += 16) {
+    for (int64_t t = 0; t < ns; t += 16) {
       const v16 e = exp_neg(ld(x + t) - mx);
       st(x + t, e);
       vs += e;
     }
-    float sum = hsum(vs);
-    for (; t < n; ++t) {
-      x[t] = expf(x[t] - mx);
-      sum += x[t];
-    }
-    const float inv = 1.0f / sum;
-    for (t = 0; t + 16 <= n; t += 16) st(x + t, ld(x + t) * inv);
-    for (; t < n; ++t) x[t] *= inv;
+    const float inv = 1.0f / hsum(vs);
+    for (int64_t t = 0; t < ns; t += 16) st(x + t, ld(x + t) * inv);
   }
 }
 
