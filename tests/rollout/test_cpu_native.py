@@ -132,6 +132,11 @@ def test_build_is_cached_and_fails_clearly_without_a_compiler(tmp_path, monkeypa
     mtime = first.stat().st_mtime_ns
     assert cpu_native.build(tmp_path) == first and first.stat().st_mtime_ns == mtime  # found, not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left behind
+    blocked = tmp_path / "file"  # a cache "folder" that cannot be made: the temporary folder serves
+    blocked.write_text("")
+    monkeypatch.setattr(cpu_native.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    assert cpu_native.build(blocked / "native").parent.parent == tmp_path / "tmp"
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(NativeBuildError, match="no C compiler found"):
         cpu_native.build(tmp_path)

@@ -2,7 +2,8 @@
 
 :meth:`NativeKernels.load` compiles ``cpu_native.c`` once per source, compiler and CPU into a cache
 folder (``$MILES_CACHE_DIR/native``, else ``$XDG_CACHE_HOME/miles/native``, else
-``~/.cache/miles/native``; about a second) and loads it with :mod:`ctypes`; later loads find the
+``~/.cache/miles/native``; the temporary folder where that cannot be made; about a second) and
+loads it with :mod:`ctypes`; later loads find the
 library there. It is built with ``-march=native``, so the CPU's flags are part of the cache key: a
 cache folder shared by different machines holds one build per kind of CPU. The kernels take raw
 pointers: the callers pass contiguous fp32 CPU tensors of the shapes documented on each method
@@ -76,7 +77,15 @@ def build(out_dir: Path | None = None, cc: str | None = None) -> Path:
     lib = out_dir / f"cpu_native-{key}.so"
     if lib.exists():
         return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only home, say: the build goes to the temporary folder
+        log.info("cache folder %s not writable (%s); building under %s", out_dir, e, tempfile.gettempdir())
+        out_dir = Path(tempfile.gettempdir()) / f"miles-native-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+        lib = out_dir / lib.name
+        if lib.exists():
+            return lib
+        out_dir.mkdir(parents=True, exist_ok=True)
     errors = []
     for extra in (["-fopenmp"], []):  # without OpenMP the kernels run on one thread
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
