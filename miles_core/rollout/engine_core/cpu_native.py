@@ -3,9 +3,9 @@
 :meth:`NativeKernels.load` compiles ``cpu_native.c`` once per source, compiler and CPU into a cache
 folder (``$MILES_CACHE_DIR/native``, else ``$XDG_CACHE_HOME/miles/native``, else
 ``~/.cache/miles/native``; the temporary folder where that cannot be made; about a second) and
-loads it with :mod:`ctypes`; later loads find the
-library there. It is built with ``-march=native``, so the CPU's flags are part of the cache key: a
-cache folder shared by different machines holds one build per kind of CPU. The kernels take raw
+loads it with :mod:`ctypes`; later loads find the library there. It is built with ``-march=native``,
+so the CPU's flags are part of the cache key: a cache folder shared by different machines holds one
+build per kind of CPU. The kernels take raw
 pointers: the callers pass contiguous fp32 CPU tensors of the shapes documented on each method
 (:mod:`.cpu_decode` does).
 
