@@ -1,8 +1,8 @@
 /* Miles: fused fp32 CPU kernels for the decode window (cpu_decode.py), built at first use by cpu_native.py.
  *
  * A small model's CPU decode step is dozens of tiny torch ops, each costing microseconds of dispatch, and an
- * attention that reads each row's K/V through batched GEMMs of 1-8 rows. These kernels do per layer and step
- * what takes ~15 torch ops:
+ * attention that reads each row's K/V through batched GEMMs of 1-8 rows. These three kernels do per layer and
+ * step what took ~16 torch ops (the four GEMMs stay torch's):
  *
  *   miles_rmsnorm    out = w * x * rsqrt(mean(x^2) + eps), per row
  *   miles_silu_mul   out = silu(gate) * up, with [gate | up] the rows of one GEMM's output
@@ -14,8 +14,10 @@
  * Layouts are the window buffer's (cpu_decode.py): K in blocks of 16 columns [B, Hk, cap / 16, D, 16], V
  * [B, Hk, cap, D], mask [B * Hk, cap], cap a multiple of 16. Both are read front to back, one contiguous run per
  * (row, KV head): a K transposed to [D, cap] would be read as D short runs at a stride of cap, which the CPU's
- * prefetchers follow badly (measured: 6-8 GB/s against 34 GB/s for the same bytes contiguous, one core). Elementwise arithmetic keeps torch's order (the build passes -ffp-contract=off): the rotary
- * is bit-identical to rope_torch; the reductions (norms, dot products, softmax sums) sum in another order, so
+ * prefetchers follow badly (measured: 6-8 GB/s against 34 GB/s for the same bytes contiguous, one core).
+ *
+ * Elementwise arithmetic keeps torch's order (the build passes -ffp-contract=off): the rotary is bit-identical
+ * to rope_torch; the reductions (norms, dot products, softmax sums) sum in another order, so
  * results differ from torch by rounding (~1e-7 relative). Rows run in parallel with OpenMP when the work is
  * large enough; torch's own libgomp is the one loaded, so these share its threads.
  *
