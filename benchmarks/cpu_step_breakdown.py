@@ -1,0 +1,108 @@
+"""Where a CPU decode step's time goes: the built-in engine on ``rollout_bench.py``'s CPU model (quickstart size,
+fp32, 128-token prompts, 256 new tokens, greedy), with wall-clock timers around each call of its decode window.
+
+The timers wrap, from outside, the names the window calls (``torch.mm`` / ``torch.addmm`` as ``cpu_decode`` sees
+them, the fused kernels' methods, the sampler), so the engine's code runs as it is; each timer adds ~0.2 µs per
+call. Prints microseconds per decode step, per call kind, averaged over ``--runs`` timed runs (each after a
+warm-up run, as rollout_bench does)::
+
+    python benchmarks/cpu_step_breakdown.py --batch 64 [--cpu-kernels torch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import rollout_bench as rb  # noqa: E402
+
+from miles_core.rollout.engine_core import core as core_mod  # noqa: E402
+from miles_core.rollout.engine_core import cpu_decode  # noqa: E402
+
+
+def timed(fn, acc: dict, key: str):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        acc[key] += time.perf_counter() - t0
+        return out
+
+    return wrapper
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--cpu-kernels", choices=("auto", "native", "torch"), default="auto")
+    args = ap.parse_args()
+    a = argparse.Namespace(**rb.PRESETS["cpu"])
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    folder = Path(tempfile.mkdtemp(prefix="cpu-breakdown-"))
+    AutoModelForCausalLM.from_config(rb.hf_config(a)).save_pretrained(folder)
+    model, _ = rb.load_hf_folder(folder, rb.MilesPlugins().registries.model_families)
+    model.use_kernels(rb.Kernels(rb.MilesPlugins(), "cpu"))
+    cfg = rb.EngineConfig(max_num_seqs=args.batch, max_model_len=a.prompt_len + a.new_tokens + 16, max_batched_tokens=16384,
+                          cpu_kernels=args.cpu_kernels)
+    core = rb.EngineCore(model, cfg)
+
+    acc: dict = collections.defaultdict(float)
+    steps = [0]
+    # the window's view of torch: mm / addmm / bmm / baddbmm timed, the rest as is
+    fake_torch = types.ModuleType("torch")
+    fake_torch.__dict__.update(torch.__dict__)
+    for name in ("mm", "addmm", "baddbmm", "bmm", "softmax"):
+        setattr(fake_torch, name, timed(getattr(torch, name), acc, f"torch.{name}"))
+    cpu_decode.torch = fake_torch
+    window = cpu_decode.CpuDecoder.window
+
+    def window_timed(self, reqs, tokens, pos0, block_tables, steps_, sample):
+        if self._native not in (False, None) and not hasattr(self._native, "_timed"):
+            for name in ("rmsnorm", "attn_step", "silu_mul"):
+                setattr(self._native, name, timed(getattr(self._native, name), acc, f"native {name}"))
+            self._native._timed = True
+        steps[0] += steps_
+        t0 = time.perf_counter()
+        out = window(self, reqs, tokens, pos0, block_tables, steps_, timed(sample, acc, "sampling"))
+        acc["decode window, all"] += time.perf_counter() - t0
+        return out
+
+    cpu_decode.CpuDecoder.window = window_timed
+    core_mod.EngineCore._prefill = timed(core_mod.EngineCore._prefill, acc, "prefill (outside the window)")
+
+    prompts = torch.randint(1, a.vocab, (args.batch, a.prompt_len), generator=torch.Generator().manual_seed(1)).tolist()
+    rb.bench_engine(core, prompts, a.new_tokens, torch.device("cpu"))
+    acc.clear()
+    steps[0] = 0
+    total = 0.0
+    for _ in range(args.runs):
+        dt, _ = rb.bench_engine(core, prompts, a.new_tokens, torch.device("cpu"))
+        total += dt
+    # bench_engine runs a warm-up before each timed run: the timers saw 2 * runs runs
+    per_step = {k: v / steps[0] * 1e6 for k, v in acc.items()}
+    kernels = "native (cpu_native.c)" if core._cpu._native else "torch"
+    print(f"CPU decode step breakdown: batch {args.batch}, {torch.get_num_threads()} threads, window kernels {kernels}, "
+          f"engine {args.batch * a.new_tokens * args.runs / total:,.0f} tok/s over {args.runs} timed runs")
+    print(f"{'call':>30} | {'us per decode step':>18}")
+    accounted = 0.0
+    for k, v in sorted(per_step.items(), key=lambda kv: -kv[1]):
+        print(f"{k:>30} | {v:18.1f}")
+        if not k.startswith(("decode window", "prefill")):
+            accounted += v
+    print(f"{'window: the rest (Python, etc.)':>30} | {per_step['decode window, all'] - accounted:18.1f}")
+
+
+if __name__ == "__main__":
+    main()
