@@ -44,7 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--cpu-kernels", choices=("auto", "native", "torch"), default="auto")
+    ap.add_argument("--cpu-kernels", choices=rb.CPU_KERNELS, default="auto")
     args = ap.parse_args()
     a = argparse.Namespace(**rb.PRESETS["cpu"])
     from transformers import AutoModelForCausalLM

@@ -43,7 +43,7 @@ from miles_core.kernels.base import Kernels  # noqa: E402
 from miles_core.models.checkpoint import load_hf_folder  # noqa: E402
 from miles_core.plugins.manager import MilesPlugins  # noqa: E402
 from miles_core.rollout.base import SamplingParams  # noqa: E402
-from miles_core.rollout.engine_core.config import EngineConfig  # noqa: E402
+from miles_core.rollout.engine_core.config import CPU_KERNELS, EngineConfig  # noqa: E402
 from miles_core.rollout.engine_core.core import EngineCore  # noqa: E402
 from miles_core.rollout.engine_core.transformers_runner import load_transformers_model  # noqa: E402
 
@@ -136,7 +136,7 @@ def main() -> None:
     ap.add_argument("--no-prefetch", action="store_true", help="engine: PDL without the GEMMs' L2 weight prefetch")
     ap.add_argument("--no-overlap", action="store_true", help="engine: read each decode window before launching the next")
     ap.add_argument("--no-graph-sampling", action="store_true", help="engine: sample outside the decode step's CUDA graph")
-    ap.add_argument("--cpu-kernels", choices=("auto", "native", "torch"), default="auto",
+    ap.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="auto",
                     help="engine on CPU: the decode window's fused C kernels (cpu_native.c) or torch ops")
     ap.add_argument("--no-fused-attention", action="store_true", help="engine: the q/k/v prologue as its own kernel, not inside decode attention")
     ap.add_argument("--attention", default=None, help="engine: the paged decode kernel's launch, BLOCK_N,WARPS "

@@ -3,6 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from miles_core.errors import ConfigError
+from miles_core.rollout.engine_core.config import CPU_KERNELS
 from miles_core.rollout.sglang.config import SglangConfig
 
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -51,7 +52,7 @@ class RolloutConfig:
             raise ConfigError(f"rollout.dtype must be one of {', '.join(ROLLOUT_DTYPES)}, got '{self.dtype}'")
         if not 0 <= self.kv_memory_fraction <= 1:
             raise ConfigError(f"rollout.kv_memory_fraction must be in [0, 1] (0 = the engine's default), got {self.kv_memory_fraction}")
-        if self.cpu_kernels not in ("auto", "native", "torch"):
+        if self.cpu_kernels not in CPU_KERNELS:
             raise ConfigError(f"rollout.cpu_kernels must be 'auto', 'native' or 'torch', got '{self.cpu_kernels}'")
         if self.top_k < 0:
             raise ConfigError(f"rollout.top_k must be >= 0, got {self.top_k}")

@@ -5,6 +5,9 @@ from dataclasses import dataclass
 from miles_core.errors import ConfigError
 
 
+CPU_KERNELS = ("auto", "native", "torch")  # EngineConfig.cpu_kernels / rollout.cpu_kernels
+
+
 @dataclass
 class EngineConfig:
     """Sizes and switches of the built-in engine (all have working defaults)."""
@@ -57,7 +60,7 @@ class EngineConfig:
                 raise ConfigError(f"engine.{key} must be >= 1, got {getattr(self, key)}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ConfigError(f"engine.num_blocks must be >= 2, got {self.num_blocks}")
-        if self.cpu_kernels not in ("auto", "native", "torch"):
+        if self.cpu_kernels not in CPU_KERNELS:
             raise ConfigError(f"engine.cpu_kernels must be 'auto', 'native' or 'torch', got {self.cpu_kernels!r}")
         if not 0 < self.kv_memory_fraction <= 1:
             raise ConfigError(f"engine.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")

@@ -53,7 +53,7 @@ from miles_core.kernels.rmsnorm import rmsnorm_torch
 from miles_core.kernels.rope import rope_torch
 from miles_core.kernels.swiglu import swiglu_torch
 from miles_core.rollout.engine_core.attention import gather_slots
-from miles_core.rollout.engine_core.cpu_native import MAX_HEAD_DIM, NativeKernels
+from miles_core.rollout.engine_core.cpu_native import KEY_BLOCK, MAX_HEAD_DIM, NativeKernels
 from miles_core.rollout.engine_core.scheduler import final_len
 
 
@@ -92,10 +92,14 @@ class CpuDecoder:
         # keys: [L, B, Hk, D, cap] transposed (the torch ops' batched matmul) or, with the fused kernels
         # (self.blocked), [L, B, Hk, cap / 16, D, 16] in blocks of 16 columns (read as one contiguous run)
         self.k: torch.Tensor | None = None
-        self.blocked = False
         self.v: torch.Tensor | None = None  # [L, B, Hk, cap, D]
         self.mask: torch.Tensor | None = None  # [B*Hk, 1, cap] additive: 0 = column in the row's context, -inf = not
         self.used = 0
+
+    @property
+    def blocked(self) -> bool:
+        """Whether the kept keys are in the fused kernels' blocked layout (6-D) rather than transposed."""
+        return self.k is not None and self.k.dim() == 6
 
     # ------------------------------------------------------------------ the K/V buffer
     def _gather(self, pos0: torch.Tensor, block_tables: torch.Tensor, max_pos: int, remaining: int, steps: int,
@@ -113,14 +117,14 @@ class CpuDecoder:
         old = old.view(nl, 2, b, t0, hk, d)
         cap = t0 + max(steps, min(remaining, run.kv.shape[2] // b - t0)) + steps
         if blocked:
-            cap, t16 = -(-cap // 16) * 16, -(-t0 // 16) * 16
-            self.k = torch.empty(nl, b, hk, cap // 16, d, 16, dtype=run.dtype)
+            kb = KEY_BLOCK
+            cap, t16 = -(-cap // kb) * kb, -(-t0 // kb) * kb
+            self.k = torch.empty(nl, b, hk, cap // kb, d, kb, dtype=run.dtype)
             keys = F.pad(old[:, 0], (0, 0, 0, 0, 0, t16 - t0))  # [L, B, T16, Hk, D]
-            self.k[:, :, :, : t16 // 16].copy_(keys.view(nl, b, t16 // 16, 16, hk, d).permute(0, 1, 4, 2, 5, 3))
+            self.k[:, :, :, : t16 // kb].copy_(keys.view(nl, b, t16 // kb, kb, hk, d).permute(0, 1, 4, 2, 5, 3))
         else:
             self.k = torch.empty(nl, b, hk, d, cap, dtype=run.dtype)
             self.k[..., :t0].copy_(old[:, 0].permute(0, 1, 3, 4, 2))
-        self.blocked = blocked
         self.v = torch.empty(nl, b, hk, cap, d, dtype=run.dtype)
         self.v[..., :t0, :].copy_(old[:, 1].transpose(2, 3))
         self.mask = torch.zeros(b * hk, 1, cap, dtype=run.dtype)  # one row per (row, KV head)
@@ -150,8 +154,8 @@ class CpuDecoder:
             return
         cap = 2 * u + steps
         if self.blocked:
-            cap, nbu = -(-cap // 16) * 16, -(-u // 16)
-            k = self.k.new_empty(*self.k.shape[:3], cap // 16, *self.k.shape[4:])
+            cap, nbu = -(-cap // KEY_BLOCK) * KEY_BLOCK, -(-u // KEY_BLOCK)
+            k = self.k.new_empty(*self.k.shape[:3], cap // KEY_BLOCK, *self.k.shape[4:])
             k[:, :, :, :nbu].copy_(self.k[:, :, :, :nbu])
         else:
             k = self.k.new_empty(*self.k.shape[:4], cap)
@@ -244,7 +248,7 @@ class CpuDecoder:
             # the kernels take raw pointers: every buffer they index must be contiguous
             assert kt.is_contiguous() and vw.is_contiguous() and self.mask.is_contiguous()
             nat, mask2d, k_l, v_l = self._native, self.mask.view(b * hk, -1), kt.unbind(0), vw.unbind(0)
-            inter = next((x[7].shape[1] // 2 for x in plan if x[7] is not None), 0)
+            inter = max((mlp[1].shape[1] // 2 for *_, mlp, swiglu in nplan if swiglu), default=0)  # gate_up^T: [hidden, 2I]
             bufs = (torch.empty(b, embed.shape[1]), torch.empty(b, nq), torch.empty(b, inter))
         else:  # per layer, views made once per window (indexing costs as much as a small op):
             # K [B*Hk, D, cap] and V [B*Hk, cap, D] for the batched matmuls
@@ -290,9 +294,10 @@ class CpuDecoder:
         # the window's new K/V into the paged cache: [L, B, Hk, .., K, ..] -> [L, B*K, Hk, D] at slots [B*K]
         nl, flat = run.num_layers, wslots.flatten()
         if self.blocked:  # the blocks that hold columns t0 .. t0+k-1, as [L, B, T, Hk, D]
-            b0, b1 = t0 // 16, -(-(t0 + k) // 16)
-            keys = kt[:, :, :, b0:b1].permute(0, 1, 3, 5, 2, 4).reshape(nl, b, 16 * (b1 - b0), hk, d)
-            keys = keys[:, :, t0 - 16 * b0 : t0 - 16 * b0 + k]
+            kb = KEY_BLOCK
+            b0, b1 = t0 // kb, -(-(t0 + k) // kb)
+            keys = kt[:, :, :, b0:b1].permute(0, 1, 3, 5, 2, 4).reshape(nl, b, kb * (b1 - b0), hk, d)
+            keys = keys[:, :, t0 - kb * b0 : t0 - kb * b0 + k]
         else:
             keys = kt[..., t0 : t0 + k].permute(0, 1, 4, 2, 3)
         run.kv[:, 0].index_copy_(1, flat, keys.reshape(nl, b * k, hk, d))

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_native.c")
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-std=gnu11"]
 MAX_HEAD_DIM = 256  # the kernels' limit (cpu_native.c); D must also be a multiple of 16
+KEY_BLOCK = 16  # columns per block of the keys' layout [B, Hk, cap / KEY_BLOCK, D, KEY_BLOCK] (one v16 in cpu_native.c)
 
 
 class NativeBuildError(ConfigError):
@@ -161,5 +162,5 @@ class NativeKernels:
         into column ``col`` and attends over columns ``[0, col]``."""
         b, hk, nb, d, _ = kb.shape
         self._attn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), _ptr(q_w), _ptr(k_w),
-                   qk_eps, kb.data_ptr(), v.data_ptr(), mask.data_ptr(), out.data_ptr(), b, heads, hk, d, nb * 16, col, scale)
+                   qk_eps, kb.data_ptr(), v.data_ptr(), mask.data_ptr(), out.data_ptr(), b, heads, hk, d, nb * KEY_BLOCK, col, scale)
         return out
