@@ -27,14 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rollout_bench as rb  # noqa: E402
 
 from miles_core.rollout.engine_core import core as core_mod  # noqa: E402
-from miles_core.rollout.engine_core import cpu_decode  # noqa: E402
+from miles_core.rollout.engine_core import cpu_decode, cpu_layers  # noqa: E402
 
 
-def timed(fn, acc: dict, key: str):
+def timed(fn, acc: dict, key: str, phase: list | None = None):
+    """``fn`` with its wall time added to ``acc[key]``, or to ``acc[phase[0] + key]`` (the phase the call ran in)."""
     def wrapper(*args, **kwargs):
         t0 = time.perf_counter()
         out = fn(*args, **kwargs)
-        acc[key] += time.perf_counter() - t0
+        acc[(phase[0] if phase else "") + key] += time.perf_counter() - t0
         return out
 
     return wrapper
@@ -59,28 +60,44 @@ def main() -> None:
     core = rb.EngineCore(model, cfg)
 
     acc: dict = collections.defaultdict(float)
-    steps = [0]
+    steps, phase = [0], ["window: "]
     # the window's view of torch: mm / addmm / bmm / baddbmm timed, the rest as is
     fake_torch = types.ModuleType("torch")
     fake_torch.__dict__.update(torch.__dict__)
     for name in ("mm", "addmm", "baddbmm", "bmm", "softmax"):
-        setattr(fake_torch, name, timed(getattr(torch, name), acc, f"torch.{name}"))
-    cpu_decode.torch = fake_torch
+        setattr(fake_torch, name, timed(getattr(torch, name), acc, f"torch.{name}", phase))
+    cpu_decode.torch = cpu_layers.torch = fake_torch
     window = cpu_decode.CpuDecoder.window
 
+    def time_native(dec) -> None:
+        if dec._native not in (False, None) and not hasattr(dec._native, "_timed"):
+            for name in ("rmsnorm", "attn_step", "silu_mul", "prefill_rope", "prefill_attn"):
+                setattr(dec._native, name, timed(getattr(dec._native, name), acc, f"native {name}", phase))
+            dec._native._timed = True
+
     def window_timed(self, reqs, tokens, pos0, block_tables, steps_, sample):
-        if self._native not in (False, None) and not hasattr(self._native, "_timed"):
-            for name in ("rmsnorm", "attn_step", "silu_mul"):
-                setattr(self._native, name, timed(getattr(self._native, name), acc, f"native {name}"))
-            self._native._timed = True
+        time_native(self)
         steps[0] += steps_
         t0 = time.perf_counter()
-        out = window(self, reqs, tokens, pos0, block_tables, steps_, timed(sample, acc, "sampling"))
-        acc["decode window, all"] += time.perf_counter() - t0
+        out = window(self, reqs, tokens, pos0, block_tables, steps_, timed(sample, acc, "sampling", phase))
+        acc["window: all"] += time.perf_counter() - t0
         return out
 
+    prefill = core_mod.EngineCore._prefill
+
+    def prefill_timed(self, plan):
+        self._cpu._window_statics()  # loads the kernels
+        time_native(self._cpu)
+        phase[0] = "prefill: "
+        t0 = time.perf_counter()
+        try:
+            return prefill(self, plan)
+        finally:
+            acc["prefill: all"] += time.perf_counter() - t0
+            phase[0] = "window: "
+
     cpu_decode.CpuDecoder.window = window_timed
-    core_mod.EngineCore._prefill = timed(core_mod.EngineCore._prefill, acc, "prefill (outside the window)")
+    core_mod.EngineCore._prefill = prefill_timed
 
     prompts = torch.randint(1, a.vocab, (args.batch, a.prompt_len), generator=torch.Generator().manual_seed(1)).tolist()
     rb.bench_engine(core, prompts, a.new_tokens, torch.device("cpu"))
@@ -95,13 +112,14 @@ def main() -> None:
     kernels = "native (cpu_native.c)" if core._cpu._native else "torch"
     print(f"CPU decode step breakdown: batch {args.batch}, {torch.get_num_threads()} threads, window kernels {kernels}, "
           f"engine {args.batch * a.new_tokens * args.runs / total:,.0f} tok/s over {args.runs} timed runs")
-    print(f"{'call':>30} | {'us per decode step':>18}")
-    accounted = 0.0
-    for k, v in sorted(per_step.items(), key=lambda kv: -kv[1]):
-        print(f"{k:>30} | {v:18.1f}")
-        if not k.startswith(("decode window", "prefill")):
-            accounted += v
-    print(f"{'window: the rest (Python, etc.)':>30} | {per_step['decode window, all'] - accounted:18.1f}")
+    print(f"{'call':>34} | {'us per decode step':>18}")
+    for ph in ("window: ", "prefill: "):  # the prefill's time spread over the decode steps, as the run pays it
+        parts = sorted(((k, v) for k, v in per_step.items() if k.startswith(ph) and k != ph + "all"), key=lambda kv: -kv[1])
+        print(f"{ph + 'all':>34} | {per_step.get(ph + 'all', 0.0):18.1f}")
+        for k, v in parts:
+            print(f"{'  ' + k:>34} | {v:18.1f}")
+        rest = per_step.get(ph + "all", 0.0) - sum(v for _, v in parts)
+        print(f"{'  ' + ph + 'the rest (Python, etc.)':>34} | {rest:18.1f}")
 
 
 if __name__ == "__main__":

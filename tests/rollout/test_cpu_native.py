@@ -17,6 +17,7 @@ from miles_core.kernels.rmsnorm import rmsnorm_torch
 from miles_core.kernels.rope import rope_torch
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engine_core import cpu_native
+from miles_core.rollout.engine_core.attention import AttnBatch, paged_attention
 from miles_core.rollout.engine_core.config import EngineConfig
 from miles_core.rollout.engine_core.core import EngineCore
 from miles_core.rollout.engine_core.cpu_native import NativeBuildError, NativeKernels
@@ -103,6 +104,59 @@ def test_rmsnorm_and_silu_mul_match_the_torch_ops(nat):
         assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("heads,kv_heads,d,qk_norm,chunks", [
+    (4, 2, 32, False, ((7, 7), (1, 1), (16, 16))),  # fresh prompts (ctx == q_len), one of a single token
+    (16, 8, 128, True, ((5, 13), (9, 9))),  # Qwen3-0.6B's heads, q/k norm; a chunk after 8 cached tokens
+    (12, 1, 32, False, ((3, 40), (20, 33), (1, 2))),  # 12 query heads per KV head; chunks with context
+    (4, 2, 32, False, tuple((128, 128) for _ in range(8))),  # quickstart rows, on OpenMP threads
+])
+def test_prefill_kernels_match_the_paged_attention(nat, heads, kv_heads, d, qk_norm, chunks):
+    """prefill_rope + prefill_attn against rope_torch / rmsnorm_torch and attention.paged_attention (the torch
+    prefill): chunks (q_len, ctx) on scattered pages of 4 slots, the context before each chunk already cached."""
+    g = torch.Generator().manual_seed(d + len(chunks))
+    p, b = 4, len(chunks)
+    q_lens, ctx = [q for q, _ in chunks], [c for _, c in chunks]
+    width = max(-(-c // p) for c in ctx)
+    pages = torch.randperm(b * width + 3, generator=g)[: b * width].view(b, width) + 1  # page 0 unused
+    slots_total = (b * width + 4) * p
+    kc, vc = torch.randn(slots_total, kv_heads, d, generator=g), torch.randn(slots_total, kv_heads, d, generator=g)
+    pos = torch.cat([torch.arange(c - q, c) for q, c in chunks])
+    rows = torch.cat([torch.full((q,), i) for i, (q, _) in enumerate(chunks)])
+    slots = pages[rows, pos // p] * p + pos % p
+    n = pos.shape[0]
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d + 5, generator=g)[:, 5:]  # rows strided
+    ang = torch.arange(max(ctx))[:, None].float() / 10000 ** (torch.arange(0, d, 2).float() / d)
+    ang = torch.cat([ang, ang], -1)
+    cos_t, sin_t = ang.cos()[:, None], ang.sin()[:, None]  # [P, 1, D], as the decoder's tables
+    q_w = torch.rand(d, generator=g) + 0.5 if qk_norm else None
+    k_w = torch.rand(d, generator=g) + 0.5 if qk_norm else None
+    # the torch prefill: norms and rotary, the cache written at the slots, SDPA over the gathered pages
+    q = qkv[:, : heads * d].reshape(n, heads, 1, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].reshape(n, kv_heads, 1, d)
+    if qk_norm:
+        q, k = rmsnorm_torch(q, q_w, 1e-6), rmsnorm_torch(k, k_w, 1e-6)
+    c, s = cos_t[pos][:, None], sin_t[pos][:, None]
+    q, k = rope_torch(q, c, s).squeeze(2), rope_torch(k, c, s).squeeze(2)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    kc_ref[slots], vc_ref[slots] = k, qkv[:, (heads + kv_heads) * d :].reshape(n, kv_heads, d)
+    qmax = max(q_lens)
+    meta = AttnBatch(pages, torch.tensor(ctx), torch.cat([torch.arange(q) + i * qmax for i, q in enumerate(q_lens)]),
+                     torch.tensor([[c - q + i if i < q else -1 for i in range(qmax)] for q, c in chunks]), b, qmax, width * p)
+    ref = paged_attention(q, kc_ref, vc_ref, meta, p).reshape(n, heads * d)
+
+    qkv_in = qkv.clone()
+    nat.prefill_rope(qkv, pos, cos_t, sin_t, q_w, k_w, 1e-6, kc, vc, slots, heads)
+    exact = not qk_norm  # the rotary is rope_torch's arithmetic; the norms sum in another order
+    close = (lambda a, b: torch.equal(a, b)) if exact else (lambda a, b: torch.allclose(a, b, atol=2e-6, rtol=0))
+    assert close(kc, kc_ref) and torch.equal(vc, vc_ref)  # every other slot untouched
+    assert close(qkv[:, : heads * d].reshape(n, heads, d), q)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], qkv_in[:, (heads + kv_heads) * d :])
+    q_len = torch.tensor(q_lens)
+    out = torch.full((n, heads * d), float("nan"))
+    nat.prefill_attn(qkv, kc, vc, pages, p, q_len.cumsum(0) - q_len, q_len, torch.tensor(ctx), out, heads, width * p, d**-0.5)
+    assert torch.allclose(out, ref, atol=2e-6, rtol=0)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
 def test_engine_with_the_kernels_matches_the_engine_without(nat, family, tmp_path):
     make_hf_model(family, tmp_path, head_dim=16)
@@ -112,11 +166,20 @@ def test_engine_with_the_kernels_matches_the_engine_without(nat, family, tmp_pat
               SamplingParams(max_new_tokens=9, temperature=1.0, top_k=8, seed=2, top_logprobs=2)]
     results = {}
     for kernels in ("native", "torch"):
-        core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3, cpu_kernels=kernels))
+        # 16 prompt tokens per step: the 29-token prompt is prefilled in two chunks, the second after 16 cached tokens
+        core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3, max_batched_tokens=16, cpu_kernels=kernels))
+        prefills = []
+        if kernels == "native":  # count the prefill kernel's calls: the prefill, too, runs through the kernels
+            attn = core._cpu._native.prefill_attn
+            core._cpu._native.prefill_attn = lambda *a, **k: prefills.append(list(zip(a[6].tolist(), a[7].tolist()))) or attn(*a, **k)
         reqs = [core.add_request(p, sp)[0] for p, sp in zip(prompts, params)]
+        reqs += core.add_request(prompts[0], params[1], n=2)  # two samples sharing their prompt's pages
         while core.has_unfinished():
             core.step()
         assert (core._cpu._native is not None) == (kernels == "native")
+        if kernels == "native":
+            chunks = [c for step in prefills for c in step]  # (q_len, ctx) of each chunk, per layer
+            assert (9, 9) in chunks and any(ctx > q for q, ctx in chunks), prefills  # chunks after cached context
         results[kernels] = reqs
     for a, b in zip(results["native"], results["torch"]):
         assert a.output_ids == b.output_ids

@@ -289,7 +289,9 @@ class EngineCore:
         if self.runner.varlen_prefill and all(c == n for c, n in zip(ctx, q_lens)):  # no chunk has context before it
             meta.cu_seqlens = to_device([0, *itertools.accumulate(q_lens)], torch.int32, dev)
         as_long = lambda xs: to_device(xs, torch.long, dev)  # noqa: E731
-        logits, routed = self.runner.prefill(as_long(ids), as_long(pos), as_long(slots), meta, as_long(sample_rows))
+        args = (as_long(ids), as_long(pos), as_long(slots), meta, as_long(sample_rows))
+        native = self._cpu.prefill(*args) if self.device.type == "cpu" else None  # the fused CPU kernels, where they run
+        logits, routed = native if native is not None else self.runner.prefill(*args)
         offset = 0
         for req, n in plan.chunks:
             if routed is not None:

@@ -52,7 +52,8 @@ import torch.nn.functional as F
 from miles_core.kernels.rmsnorm import rmsnorm_torch
 from miles_core.kernels.rope import rope_torch
 from miles_core.kernels.swiglu import swiglu_torch
-from miles_core.rollout.engine_core.attention import gather_slots
+from miles_core.rollout.engine_core import cpu_layers
+from miles_core.rollout.engine_core.attention import AttnBatch, gather_slots
 from miles_core.rollout.engine_core.cpu_native import KEY_BLOCK, MAX_HEAD_DIM, NativeKernels
 from miles_core.rollout.engine_core.scheduler import final_len
 
@@ -210,6 +211,19 @@ class CpuDecoder:
                         (mlp, gate_up, act, down_w), gate_up is not None and act is swiglu_torch))
         return out
 
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, meta: AttnBatch,
+                logits_index: torch.Tensor) -> tuple | None:
+        """:meth:`.runner.ModelRunner.prefill` through the fused kernels (:func:`.cpu_layers.prefill`), or
+        None where they do not run this model (the caller then takes the runner's)."""
+        if not supported(self.runner) or self.kernels == "torch":
+            return None
+        _, (cos_t, _, sin_plain), fn, head_w, nplan = self._window_statics()
+        if nplan is None:
+            return None
+        return cpu_layers.prefill(self._native, nplan, self.runner, (cos_t, sin_plain), fn, head_w, input_ids, positions,
+                                  slots, meta, logits_index)
+
     # ------------------------------------------------------------------ one window
     @torch.inference_mode()
     def window(self, reqs: list, tokens: torch.Tensor, pos0: torch.Tensor, block_tables: torch.Tensor,
@@ -248,8 +262,7 @@ class CpuDecoder:
             # the kernels take raw pointers: every buffer they index must be contiguous
             assert kt.is_contiguous() and vw.is_contiguous() and self.mask.is_contiguous()
             nat, mask2d, k_l, v_l = self._native, self.mask.view(b * hk, -1), kt.unbind(0), vw.unbind(0)
-            inter = max((mlp[1].shape[1] // 2 for *_, mlp, swiglu in nplan if swiglu), default=0)  # gate_up^T: [hidden, 2I]
-            bufs = (torch.empty(b, embed.shape[1]), torch.empty(b, nq), torch.empty(b, inter))
+            bufs, o_buf = cpu_layers.buffers(nplan, b, embed.shape[1]), torch.empty(b, nq)
         else:  # per layer, views made once per window (indexing costs as much as a small op):
             # K [B*Hk, D, cap] and V [B*Hk, cap, D] for the batched matmuls
             k_mm = [x.view(b * hk, d, -1) for x in kt.unbind(0)]
@@ -260,7 +273,10 @@ class CpuDecoder:
             routed = []
             x = F.embedding(tok, embed)
             if nplan is not None:
-                x = _native_layers(nat, nplan, x, c, s, k_l, v_l, mask2d, t0 + j, bufs, h, scale, run, routed)
+                def attend(i, qkv, q_w, k_w, qk_eps, c=c, s=s, col=t0 + j):  # column col gets the new K/V
+                    return nat.attn_step(qkv, c, s, q_w, k_w, qk_eps, k_l[i], v_l[i], mask2d, o_buf, h, col, scale)
+
+                x = cpu_layers.native_layers(nat, nplan, x, attend, bufs, run, routed)
                 xn = nat.rmsnorm(x, fn[1], fn[2], bufs[0])
             else:
                 end = t0 + j + 1
@@ -281,7 +297,7 @@ class CpuDecoder:
                     probs = torch.softmax(scores, -1) if fp32 else torch.softmax(scores, -1, dtype=torch.float32).to(run.dtype)
                     o = torch.bmm(probs, v_mm[i].narrow(1, 0, end))  # [B*Hk, R, D]
                     x = x + torch.mm(o.view(b, nq), o_w)
-                    x = _mlp_residual(x, ln2[0](x, ln2[1], ln2[2]), mlp, gate_up, act, down_w, run, routed)
+                    x = cpu_layers.mlp_residual(x, ln2[0](x, ln2[1], ln2[2]), mlp, gate_up, act, down_w, run, routed)
                 xn = fn[0](x, fn[1], fn[2])
             logits = torch.mm(xn, head_w)
             tok, lp, top = sample(logits, j)
@@ -305,42 +321,6 @@ class CpuDecoder:
         self.used = t0 + k  # mask columns past the old `used` are 0 already: these are now context
         self.rows, self.next_pos = list(reqs), [x + k for x in positions]
         return WindowOut(torch.stack(toks, 1), torch.stack(lps, 1), tops, routes)
-
-
-def _mlp_residual(x: torch.Tensor, hn: torch.Tensor, mlp, gate_up, act, down_w, run, routed: list) -> torch.Tensor:
-    """``x + MLP(hn)``: the fused gate/up GEMM and the layer's activation, or a MoE layer (its routing
-    appended to ``routed``), or the module itself."""
-    if gate_up is not None:
-        gate, up = torch.mm(hn, gate_up).chunk(2, -1)
-        return x + torch.mm(act(gate, up), down_w)
-    if hasattr(mlp, "route"):  # MoE layer
-        ids, w = mlp.route(hn)
-        routed.append(ids)
-        return x + mlp.combine(hn, ids, w)
-    if run.is_moe:  # a dense layer of a MoE model: no routing
-        routed.append(torch.full((hn.shape[0], run.moe_k), -1, dtype=torch.long))
-    return x + mlp(hn)
-
-
-def _native_layers(nat: NativeKernels, nplan: list, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   kt: tuple, v: tuple, mask: torch.Tensor, col: int, bufs: tuple, heads: int,
-                   scale: float, run, routed: list) -> torch.Tensor:
-    """The layers of one decode step through the fused kernels: per layer RMSNorm, the q/k/v GEMM, one
-    kernel for q/k norm + rotary + the K/V column write + attention, the o_proj GEMM with the residual
-    added in it (addmm), RMSNorm, the gate/up GEMM, SwiGLU, the down GEMM with its residual. ``bufs``:
-    the kernels' outputs ([B, hidden], [B, H D], [B, I]), each read by the GEMM right after it."""
-    h_buf, o_buf, a_buf = bufs
-    for i, (w1, e1, qkv_w, qw, kw, qk_eps, o_w, w2, e2, mlp_plan, swiglu) in enumerate(nplan):
-        qkv = torch.mm(nat.rmsnorm(x, w1, e1, h_buf), qkv_w)
-        o = nat.attn_step(qkv, cos, sin, qw, kw, qk_eps, kt[i], v[i], mask, o_buf, heads, col, scale)
-        x = torch.addmm(x, o, o_w)
-        hn = nat.rmsnorm(x, w2, e2, h_buf)
-        mlp, gate_up, act, down_w = mlp_plan
-        if swiglu:
-            x = torch.addmm(x, nat.silu_mul(torch.mm(hn, gate_up), a_buf), down_w)
-        else:
-            x = _mlp_residual(x, hn, mlp, gate_up, act, down_w, run, routed)
-    return x
 
 
 def _layer_plan(run, i: int, layer, rolled: bool) -> tuple:

@@ -246,3 +246,62 @@ void miles_attn_step(const float *qkv, int64_t qkv_stride, const float *cos, con
     free(s);
   }
 }
+
+
+/* ---------------------------------------------------------------- prefill */
+/* The prologue of one layer's prefill of N token rows: per row, optional per-head RMSNorm of q and k, rotate-half
+   rotary at the row's position (tables cos_t, sin_t [P, D]), in place in qkv [N, qkv_stride]; then the row's K
+   (rotated) and V written into the paged cache kc, vc [S, Hk, D] at slots[i]. */
+void miles_prefill_rope(float *qkv, int64_t qkv_stride, const int64_t *pos, const float *cos_t, const float *sin_t,
+                        const float *q_w, const float *k_w, float qk_eps, float *kc, float *vc, const int64_t *slots,
+                        int64_t N, int64_t H, int64_t Hk, int64_t D) {
+#pragma omp parallel for schedule(static) if (N * (H + Hk) * D >= 65536)
+  for (int64_t i = 0; i < N; ++i) {
+    float *row = qkv + i * qkv_stride;
+    const float *c = cos_t + pos[i] * D, *sn = sin_t + pos[i] * D;
+    for (int64_t h = 0; h < H + Hk; ++h) {
+      const float *w = h < H ? q_w : k_w;
+      if (w) rmsnorm_row(row + h * D, w, row + h * D, D, qk_eps);
+      rope_head(row + h * D, c, sn, D);
+    }
+    memcpy(kc + slots[i] * Hk * D, row + H * D, sizeof(float) * (size_t)(Hk * D));
+    memcpy(vc + slots[i] * Hk * D, row + (H + Hk) * D, sizeof(float) * (size_t)(Hk * D));
+  }
+}
+
+/* One layer's prefill attention of B sequences (causal). Sequence b brings q_len[b] query rows at flat rows
+   q_start[b] ..; row i sits at position ctx[b] - q_len[b] + i and attends to positions <= that. Its keys and values,
+   positions < ctx[b], are in the paged cache kc, vc [S, Hk, D] (page p of the sequence: tables[b * table_stride + p],
+   pages of P slots), the new rows' included (miles_prefill_rope wrote them). qkv [N, qkv_stride] holds the rotated
+   queries; out [N, H * D]. Each (sequence, KV head) packs its keys into 16-column blocks and its values into rows
+   once, in thread-local scratch, then runs the decode attention for each of its query rows with R = H / Hk heads. */
+void miles_prefill_attn(const float *qkv, int64_t qkv_stride, const float *kc, const float *vc, const int64_t *tables,
+                        int64_t table_stride, int64_t P, const int64_t *q_start, const int64_t *q_len, const int64_t *ctx,
+                        float *out, int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t max_ctx, float scale) {
+  const int64_t R = H / Hk, cap = (max_ctx + 15) & ~(int64_t)15;
+#pragma omp parallel if (B * Hk > 1)
+  {
+    float *kb = calloc((size_t)(cap * D + cap * D + cap + R * cap), sizeof(float));
+    if (!kb) abort();
+    float *v = kb + cap * D, *zero = v + cap * D, *s = zero + cap;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < B * Hk; ++task) {
+      const int64_t b = task / Hk, g = task % Hk, n = ctx[b];
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t slot = tables[b * table_stride + t / P] * P + t % P;
+        const float *kt = kc + (slot * Hk + g) * D;
+        float *blk = kb + (t / 16) * 16 * D + t % 16;
+        for (int64_t d = 0; d < D; ++d) blk[d * 16] = kt[d];
+        memcpy(v + t * D, vc + (slot * Hk + g) * D, sizeof(float) * (size_t)D);
+      }
+      for (int64_t t = n; t < ((n + 15) & ~(int64_t)15); ++t) /* the last block's lanes past n: finite */
+        for (int64_t d = 0; d < D; ++d) kb[(t / 16) * 16 * D + d * 16 + t % 16] = 0.f;
+      for (int64_t i = 0; i < q_len[b]; ++i) {
+        const int64_t row = q_start[b] + i;
+        attend(qkv + row * qkv_stride + g * R * D, kb, v, zero, out + row * H * D + g * R * D, s, R, D,
+               n - q_len[b] + i + 1, scale);
+      }
+    }
+    free(kb);
+  }
+}

@@ -124,7 +124,11 @@ class NativeKernels:
         self._silu_mul.argtypes = [p, p, i, i]
         self._attn = lib.miles_attn_step
         self._attn.argtypes = [p, i, p, p, i, p, p, f, p, p, p, p, i, i, i, i, i, i, f]
-        for fn in (self._rmsnorm, self._silu_mul, self._attn):
+        self._prefill_rope = lib.miles_prefill_rope
+        self._prefill_rope.argtypes = [p, i, p, p, p, p, p, f, p, p, p, i, i, i, i]
+        self._prefill_attn = lib.miles_prefill_attn
+        self._prefill_attn.argtypes = [p, i, p, p, p, i, i, p, p, p, p, i, i, i, i, i, f]
+        for fn in (self._rmsnorm, self._silu_mul, self._attn, self._prefill_rope, self._prefill_attn):
             fn.restype = None
 
     @classmethod
@@ -163,4 +167,29 @@ class NativeKernels:
         b, hk, nb, d, _ = kb.shape
         self._attn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), _ptr(q_w), _ptr(k_w),
                    qk_eps, kb.data_ptr(), v.data_ptr(), mask.data_ptr(), out.data_ptr(), b, heads, hk, d, nb * KEY_BLOCK, col, scale)
+        return out
+
+    def prefill_rope(self, qkv: torch.Tensor, positions: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor,
+                     q_w: torch.Tensor | None, k_w: torch.Tensor | None, qk_eps: float, kc: torch.Tensor, vc: torch.Tensor,
+                     slots: torch.Tensor, heads: int) -> torch.Tensor:
+        """A prefill layer's prologue, in place: qkv [N, (H + 2 Hk) D] (row stride free) gets its q and k heads
+        normed (q_w, k_w [D] or None) and rotated at ``positions`` [N] int64 (tables cos_t, sin_t [P, D], sin
+        unsigned); then each row's K and V go into the paged cache kc, vc [S, Hk, D] at ``slots`` [N] int64."""
+        n = qkv.shape[0]
+        hk, d = kc.shape[1], kc.shape[2]
+        self._prefill_rope(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos_t.data_ptr(), sin_t.data_ptr(), _ptr(q_w),
+                           _ptr(k_w), qk_eps, kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), n, heads, hk, d)
+        return qkv
+
+    def prefill_attn(self, qkv: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, page: int,
+                     q_start: torch.Tensor, q_len: torch.Tensor, ctx: torch.Tensor, out: torch.Tensor, heads: int,
+                     max_ctx: int, scale: float) -> torch.Tensor:
+        """A prefill layer's causal attention: sequence b's ``q_len[b]`` rows start at flat row ``q_start[b]`` of
+        qkv [N, (H + 2 Hk) D] (rotated queries, row stride free) and end at position ``ctx[b] - 1``; its keys and
+        values (positions < ctx[b], the new ones included) are in kc, vc [S, Hk, D] on the pages of ``tables``
+        [B, W] int64, ``page`` slots each. q_start, q_len, ctx [B] int64, max_ctx >= max(ctx); out [N, H D]."""
+        hk, d = kc.shape[1], kc.shape[2]
+        self._prefill_attn(qkv.data_ptr(), qkv.stride(0), kc.data_ptr(), vc.data_ptr(), tables.data_ptr(), tables.stride(0),
+                           page, q_start.data_ptr(), q_len.data_ptr(), ctx.data_ptr(), out.data_ptr(), q_len.shape[0], heads, hk,
+                           d, max_ctx, scale)
         return out

@@ -1,0 +1,100 @@
+"""The model's layers on CPU through the fused fp32 kernels of :mod:`.cpu_native`: one decode step of the
+window (:mod:`.cpu_decode`) and a whole prefill.
+
+Each layer is four GEMMs (torch's, MKL; the o_proj and down GEMMs add the residual through ``addmm``) and
+C calls for the rest: RMSNorm; the attention with its prologue (q/k norm, rotary, K/V write); SwiGLU. A MoE
+layer's MLP runs through the layer's own routing and experts. The per-layer plan (weights, eps, which MLP)
+is :meth:`.cpu_decode.CpuDecoder._native_plan`'s.
+
+Prefill (``prefill``): the chunks of a prefill step, fresh prompts or chunks with cached context before
+them (a shared prefix, a chunked long prompt), in one flat batch of ``N`` token rows. Per layer, the
+prologue kernel norms and rotates q and k in the q/k/v GEMM's output and writes K/V into the paged cache;
+the attention kernel then gives each (sequence, KV head) one thread, which packs that sequence's keys and
+values once from the pages into the decode layout and attends for each of its rows over positions up to
+the row's own (causal). Against the torch path (SDPA over a padded, gathered batch with a boolean mask,
+~20 torch ops per layer) it builds no mask, pads nothing and gathers each sequence's K/V once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from miles_core.rollout.engine_core.attention import AttnBatch
+from miles_core.rollout.engine_core.cpu_native import NativeKernels
+
+
+def mlp_residual(x: torch.Tensor, hn: torch.Tensor, mlp, gate_up, act, down_w, run, routed: list) -> torch.Tensor:
+    """``x + MLP(hn)``: the fused gate/up GEMM and the layer's activation, or a MoE layer (its routing
+    appended to ``routed``), or the module itself."""
+    if gate_up is not None:
+        gate, up = torch.mm(hn, gate_up).chunk(2, -1)
+        return x + torch.mm(act(gate, up), down_w)
+    if hasattr(mlp, "route"):  # MoE layer
+        ids, w = mlp.route(hn)
+        routed.append(ids)
+        return x + mlp.combine(hn, ids, w)
+    if run.is_moe:  # a dense layer of a MoE model: no routing
+        routed.append(torch.full((hn.shape[0], run.moe_k), -1, dtype=torch.long))
+    return x + mlp(hn)
+
+
+# attend(layer, qkv, q_w, k_w, qk_eps) -> [rows, H D]: the layer's attention with its prologue, written into a buffer
+Attend = Callable[[int, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", float], torch.Tensor]
+
+
+def native_layers(nat: NativeKernels, nplan: list, x: torch.Tensor, attend: Attend, bufs: tuple, run, routed: list) -> torch.Tensor:
+    """The layers over the rows of ``x`` [rows, hidden]: per layer RMSNorm, the q/k/v GEMM, ``attend``, the
+    o_proj GEMM with the residual added in it (addmm), RMSNorm, the gate/up GEMM, SwiGLU, the down GEMM with
+    its residual. ``bufs``: the norm's and SwiGLU's outputs ([rows, hidden], [rows, I]), each read by the
+    GEMM right after it. Returns the hidden states before the final norm."""
+    h_buf, a_buf = bufs
+    for i, (w1, e1, qkv_w, qw, kw, qk_eps, o_w, w2, e2, mlp_plan, swiglu) in enumerate(nplan):
+        qkv = torch.mm(nat.rmsnorm(x, w1, e1, h_buf), qkv_w)
+        x = torch.addmm(x, attend(i, qkv, qw, kw, qk_eps), o_w)
+        hn = nat.rmsnorm(x, w2, e2, h_buf)
+        mlp, gate_up, act, down_w = mlp_plan
+        if swiglu:
+            x = torch.addmm(x, nat.silu_mul(torch.mm(hn, gate_up), a_buf), down_w)
+        else:
+            x = mlp_residual(x, hn, mlp, gate_up, act, down_w, run, routed)
+    return x
+
+
+def buffers(nplan: list, rows: int, hidden: int) -> tuple:
+    """The norm's and SwiGLU's output buffers of :func:`native_layers` for ``rows`` rows."""
+    inter = max((mlp[1].shape[1] // 2 for *_, mlp, swiglu in nplan if swiglu), default=0)  # gate_up^T: [hidden, 2I]
+    return torch.empty(rows, hidden), torch.empty(rows, inter)
+
+
+@torch.inference_mode()
+def prefill(nat: NativeKernels, nplan: list, run, rope_tables: tuple, final_norm: tuple, head_w: torch.Tensor,
+            input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, meta: AttnBatch,
+            logits_index: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """:meth:`.runner.ModelRunner.prefill` through the kernels: ``input_ids``, ``positions``, ``slots`` [N]
+    int64 (the flat rows of ``meta.num_seqs`` chunks, in order); ``rope_tables`` (cos, sin) [P, 1, D] by
+    position (sin unsigned); ``final_norm`` (op, weight, eps); ``head_w`` lm_head^T. Returns (logits [M, V]
+    at ``logits_index`` or None, routing [N, L, k] or None)."""
+    model, b = run.model, meta.num_seqs
+    n, heads, d = input_ids.shape[0], model.config.num_heads, run.head_dim
+    cos_t, sin_t = rope_tables
+    q_len = (meta.q_pos[:b] >= 0).sum(1)
+    q_start = q_len.cumsum(0) - q_len
+    tables, ctx = meta.block_tables[:b].long().contiguous(), meta.ctx_lens[:b].long().contiguous()
+    o_buf, scale = torch.empty(n, heads * d), d**-0.5
+
+    def attend(i: int, qkv: torch.Tensor, q_w, k_w, qk_eps: float) -> torch.Tensor:
+        kc, vc = run.kv[i, 0], run.kv[i, 1]
+        nat.prefill_rope(qkv, positions, cos_t, sin_t, q_w, k_w, qk_eps, kc, vc, slots, heads)
+        return nat.prefill_attn(qkv, kc, vc, tables, run.block_size, q_start, q_len, ctx, o_buf, heads, meta.max_ctx, scale)
+
+    routed: list = []
+    x = F.embedding(input_ids, model.model.embed_tokens.weight)
+    x = native_layers(nat, nplan, x, attend, buffers(nplan, n, x.shape[1]), run, routed)
+    routes = torch.stack(routed, 1) if routed else None
+    if not logits_index.numel():
+        return None, routes
+    last = x.index_select(0, logits_index)
+    return torch.mm(nat.rmsnorm(last, final_norm[1], final_norm[2], torch.empty_like(last)), head_w), routes
