@@ -363,7 +363,7 @@ class EngineCore:
         last = to_device([[r.output_ids[-1], r.num_tokens - 1, len(r.output_ids)] for r in reqs], torch.long, self.device)
         st, counters = self._sampling_tensors(reqs), last[:, 2]
         if self.cfg.cpu_decode_window and cpu_decode.supported(run):
-            w = self._cpu.window(reqs, last[:, 0], last[:, 1], self._tables(reqs), k, lambda z, j: sample(z, st, counters + j))
+            w = self._cpu.window(reqs, last[:, 0], last[:, 1], self._tables(reqs), k, self._cpu.sampler(st, counters))
             outputs = self._window_outputs(reqs, w.tokens, w.logprobs, w.tops, w.routes)
             if not self.scheduler.running:  # nothing left to decode: free the kept K/V buffer
                 self._cpu.reset()

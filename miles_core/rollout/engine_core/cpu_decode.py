@@ -55,6 +55,7 @@ from miles_core.kernels.swiglu import swiglu_torch
 from miles_core.rollout.engine_core import cpu_layers
 from miles_core.rollout.engine_core.attention import AttnBatch, gather_slots
 from miles_core.rollout.engine_core.cpu_native import KEY_BLOCK, MAX_HEAD_DIM, NativeKernels
+from miles_core.rollout.engine_core.sampler import SamplingTensors, sample
 from miles_core.rollout.engine_core.scheduler import final_len
 
 
@@ -194,10 +195,8 @@ class CpuDecoder:
         they need fp32, the reference RMSNorm and rotary ops, one qk-norm eps, and a head_dim that is a
         multiple of 16 up to MAX_HEAD_DIM. The MLP goes through the SwiGLU kernel when the layer's is the
         reference SwiGLU, else through the layer's own ops (MoE)."""
-        if self._native is False:
-            self._native = NativeKernels.load(self.kernels)
         run = self.runner
-        if (self._native is None or run.dtype != torch.float32 or not rolled or run.head_dim % 16
+        if (self._lib() is None or run.dtype != torch.float32 or not rolled or run.head_dim % 16
                 or run.head_dim > MAX_HEAD_DIM or final_norm[0] is not _rms_norm_fp32 or not final_norm[1].is_contiguous()):
             return None
         out = []
@@ -210,6 +209,28 @@ class CpuDecoder:
             out.append((ln1[1], ln1[2], qkv_w, qw, kw, qk_eps, o_w, ln2[1], ln2[2],
                         (mlp, gate_up, act, down_w), gate_up is not None and act is swiglu_torch))
         return out
+
+    def _lib(self) -> NativeKernels | None:
+        """The fused kernels, loaded at the first use (None: ``cpu_kernels="torch"``, or they did not build)."""
+        if self._native is False:
+            self._native = NativeKernels.load(self.kernels)
+        return self._native
+
+    def sampler(self, st: SamplingTensors, counters: torch.Tensor) -> Callable[[torch.Tensor, int], tuple]:
+        """The window's ``sample(logits, j)`` for rows with sampling tensors ``st`` whose step-0 tokens are output
+        position ``counters`` [B]: the C sampler (:meth:`.cpu_native.NativeKernels.sample`, the same draws as
+        :func:`.sampler.sample_torch`) where no row asks for a filter or top logprobs, else ``sampler.sample``."""
+        nat = self._lib()
+        if nat is None or st.any_top_p_or_k or st.any_min_p or st.max_top_logprobs:
+            return lambda z, j: sample(z, st, counters + j)
+        counters = counters.contiguous()
+
+        def native(z: torch.Tensor, j: int) -> tuple:
+            if z.dtype != torch.float32:
+                return sample(z, st, counters + j)
+            return (*nat.sample(z, st.temperature, st.seeds, counters, j), None)
+
+        return native
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, meta: AttnBatch,

@@ -305,3 +305,47 @@ void miles_prefill_attn(const float *qkv, int64_t qkv_stride, const float *kc, c
     free(kb);
   }
 }
+
+
+/* ---------------------------------------------------------------- sampling */
+/* sampler.py's hash of 32-bit values (_mix32, row_hash, uniform_noise): the same integers, in uint32 arithmetic */
+static inline uint32_t mix32(uint32_t x) {
+  x = ((x >> 16) ^ x) * 0x45D9F3Bu;
+  x = ((x >> 16) ^ x) * 0x45D9F3Bu;
+  return (x >> 16) ^ x;
+}
+
+/* sampler.sample_torch for rows without filters (top-k, top-p, min-p) or top logprobs: row b of logits [B, V]
+   (row stride row_stride) with temperature[b] <= 0 takes argmax z, else argmax (z / T - log(-log u)) with u the row's
+   counter-based uniforms (seed seeds[b], output position counters[b] + offset); logp[b] = log_softmax(z / T)[token]
+   (T = 1 for greedy rows). Ties go to the lowest id, as torch's argmax. */
+void miles_sample(const float *logits, int64_t row_stride, const float *temperature, const int64_t *seeds, const int64_t *counters,
+                  int64_t offset, int64_t *tok, float *logp, int64_t B, int64_t V) {
+#pragma omp parallel for schedule(static) if (B * V >= 262144)
+  for (int64_t b = 0; b < B; ++b) {
+    const float *z = logits + b * row_stride;
+    const float t = temperature[b] <= 0.f ? 1.f : temperature[b];
+    float mx = -INFINITY;
+    int64_t best = 0;
+    for (int64_t v = 0; v < V; ++v)
+      if (z[v] / t > mx) { mx = z[v] / t; best = v; }
+    if (temperature[b] > 0.f) {
+      const uint64_t seed = (uint64_t)seeds[b];
+      const uint32_t row = mix32(mix32((uint32_t)seed) ^ (uint32_t)(counters[b] + offset) ^ (uint32_t)(seed >> 32) * 0x1B873593u);
+      float top = -INFINITY;
+      for (int64_t v = 0; v < V; ++v) {
+        const uint32_t x = mix32(row + (uint32_t)v * 0x2545F49u);
+        const float u = ((float)(x >> 8) + 0.5f) * (1.0f / 16777216.0f);
+        const float g = z[v] / t - logf(-logf(u));
+        if (g > top) { top = g; best = v; }
+      }
+    }
+    v16 acc = {0};
+    int64_t v = 0;
+    for (; v + 16 <= V; v += 16) acc += exp_neg(ld(z + v) / t - mx);
+    float sum = hsum(acc);
+    for (; v < V; ++v) sum += expf(z[v] / t - mx);
+    tok[b] = best;
+    logp[b] = (z[best] / t - mx) - logf(sum);
+  }
+}

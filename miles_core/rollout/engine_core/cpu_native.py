@@ -128,7 +128,9 @@ class NativeKernels:
         self._prefill_rope.argtypes = [p, i, p, p, p, p, p, f, p, p, p, i, i, i, i]
         self._prefill_attn = lib.miles_prefill_attn
         self._prefill_attn.argtypes = [p, i, p, p, p, i, i, p, p, p, p, i, i, i, i, i, f]
-        for fn in (self._rmsnorm, self._silu_mul, self._attn, self._prefill_rope, self._prefill_attn):
+        self._sample = lib.miles_sample
+        self._sample.argtypes = [p, i, p, p, p, i, p, p, i, i]
+        for fn in (self._rmsnorm, self._silu_mul, self._attn, self._prefill_rope, self._prefill_attn, self._sample):
             fn.restype = None
 
     @classmethod
@@ -193,3 +195,14 @@ class NativeKernels:
                            page, q_start.data_ptr(), q_len.data_ptr(), ctx.data_ptr(), out.data_ptr(), q_len.shape[0], heads, hk,
                            d, max_ctx, scale)
         return out
+
+    def sample(self, logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
+               offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`.sampler.sample_torch` for rows with no top-k / top-p / min-p filter and no top logprobs:
+        logits [B, V] (row stride free), temperature [B] fp32 (<= 0: greedy), seeds, counters [B] int64 (the
+        draw of row b is that of output position ``counters[b] + offset``). Returns (tokens [B] int64, logprobs [B])."""
+        b, v = logits.shape
+        tok, lp = torch.empty(b, dtype=torch.int64), torch.empty(b)
+        self._sample(logits.data_ptr(), logits.stride(0), temperature.data_ptr(), seeds.data_ptr(), counters.data_ptr(),
+                     offset, tok.data_ptr(), lp.data_ptr(), b, v)
+        return tok, lp
