@@ -25,6 +25,10 @@ import torch.nn.functional as F
 from miles_core.rollout.engine_core.attention import AttnBatch
 from miles_core.rollout.engine_core.cpu_native import NativeKernels
 
+# rows up to which native_layers runs cpu_native.c's GEMM instead of MKL's: measured at the quickstart shapes (hidden
+# 128, 2 cores, 2026-12-06), the C kernel took 0.6-0.8x MKL's time at 16 rows, 0.75-1.0x at 64, and 1.0-1.25x at 512
+GEMM_ROWS = 128
+
 
 def mlp_residual(x: torch.Tensor, hn: torch.Tensor, mlp, gate_up, act, down_w, run, routed: list) -> torch.Tensor:
     """``x + MLP(hn)``: the fused gate/up GEMM and the layer's activation, or a MoE layer (its routing
@@ -47,16 +51,23 @@ Attend = Callable[[int, torch.Tensor, "torch.Tensor | None", "torch.Tensor | Non
 
 def native_layers(nat: NativeKernels, nplan: list, x: torch.Tensor, attend: Attend, bufs: tuple, run, routed: list) -> torch.Tensor:
     """The layers over the rows of ``x`` [rows, hidden]: per layer RMSNorm, the q/k/v GEMM, ``attend``, the
-    o_proj GEMM with the residual added in it (addmm), RMSNorm, the gate/up GEMM, SwiGLU, the down GEMM with
-    its residual. ``bufs``: the norm's and SwiGLU's outputs ([rows, hidden], [rows, I]), each read by the
-    GEMM right after it. Returns the hidden states before the final norm."""
-    h_buf, a_buf = bufs
+    o_proj GEMM with the residual added in it, RMSNorm, the gate/up GEMM with SwiGLU, the down GEMM with its
+    residual. ``bufs`` (:func:`buffers`): the norm's, SwiGLU's and q/k/v's outputs, each read by the GEMM
+    right after it. Up to ``GEMM_ROWS`` rows (a decode step) the GEMMs are cpu_native.c's, SwiGLU in the gate/up
+    GEMM's epilogue and the residuals added into ``x`` in place; above (a prefill), MKL's (``torch.mm``,
+    ``addmm``). Returns the hidden states before the final norm."""
+    h_buf, a_buf, qkv_buf = bufs
+    own = x.shape[0] <= GEMM_ROWS and x.shape[1] % 16 == 0 and a_buf.shape[1] % 16 == 0
     for i, (w1, e1, qkv_w, qw, kw, qk_eps, o_w, w2, e2, mlp_plan, swiglu) in enumerate(nplan):
-        qkv = torch.mm(nat.rmsnorm(x, w1, e1, h_buf), qkv_w)
-        x = torch.addmm(x, attend(i, qkv, qw, kw, qk_eps), o_w)
+        hn = nat.rmsnorm(x, w1, e1, h_buf)
+        qkv = nat.gemm(hn, qkv_w, qkv_buf) if own else torch.mm(hn, qkv_w)
+        o = attend(i, qkv, qw, kw, qk_eps)
+        x = nat.gemm(o, o_w, x, add=x) if own else torch.addmm(x, o, o_w)
         hn = nat.rmsnorm(x, w2, e2, h_buf)
         mlp, gate_up, act, down_w = mlp_plan
-        if swiglu:
+        if swiglu and own:
+            x = nat.gemm(nat.gemm(hn, gate_up, a_buf, swiglu=True), down_w, x, add=x)
+        elif swiglu:
             x = torch.addmm(x, nat.silu_mul(torch.mm(hn, gate_up), a_buf), down_w)
         else:
             x = mlp_residual(x, hn, mlp, gate_up, act, down_w, run, routed)
@@ -64,9 +75,9 @@ def native_layers(nat: NativeKernels, nplan: list, x: torch.Tensor, attend: Atte
 
 
 def buffers(nplan: list, rows: int, hidden: int) -> tuple:
-    """The norm's and SwiGLU's output buffers of :func:`native_layers` for ``rows`` rows."""
+    """The norm's, SwiGLU's and q/k/v's output buffers of :func:`native_layers` for ``rows`` rows."""
     inter = max((mlp[1].shape[1] // 2 for *_, mlp, swiglu in nplan if swiglu), default=0)  # gate_up^T: [hidden, 2I]
-    return torch.empty(rows, hidden), torch.empty(rows, inter)
+    return torch.empty(rows, hidden), torch.empty(rows, inter), torch.empty(rows, nplan[0][2].shape[1])
 
 
 @torch.inference_mode()

@@ -349,3 +349,64 @@ void miles_sample(const float *logits, int64_t row_stride, const float *temperat
     logp[b] = (z[best] / t - mx) - logf(sum);
   }
 }
+
+
+/* ---------------------------------------------------------------- GEMM for decode rows */
+/* acc[r][v] = sum_k x[r, k] * wt[k, c_v .. c_v + 16] for RC <= 6 rows and NV <= 4 vectors of 16 columns at offsets
+   c[v]: per k, NV vector loads of wt's row k and RC broadcasts of x, RC * NV fused multiply-adds into registers */
+static inline __attribute__((always_inline)) void gemm_tile(const float *x, int64_t ldx, const float *wt, int64_t N,
+                                                          int64_t K, int64_t RC, const int64_t *c, int64_t NV, v16 acc[6][4]) {
+  for (int64_t r = 0; r < RC; ++r)
+    for (int64_t v = 0; v < NV; ++v) acc[r][v] = (v16){0};
+  for (int64_t k = 0; k < K; ++k) {
+    const float *w = wt + k * N;
+    v16 wv[4];
+    for (int64_t v = 0; v < NV; ++v) wv[v] = ld(w + c[v]);
+    for (int64_t r = 0; r < RC; ++r) {
+      const float a = x[r * ldx + k];
+      for (int64_t v = 0; v < NV; ++v) acc[r][v] += a * wv[v];
+    }
+  }
+}
+
+/* out = x @ wt (+ add), or with swiglu silu(x @ wt[:, :I]) * (x @ wt[:, I:]) for N = 2 I.
+   x [M, K] (row stride ldx), wt = W^T [K, N] contiguous (the CPU layout runner.fuse keeps), add [M, N] (row stride
+   ld_add) or NULL, out [M, N] or [M, I] contiguous. N (I with swiglu) must be a multiple of 16. Column groups of 64
+   (with swiglu 32 gate + the 32 matching up columns) are split over the threads, each running all row tiles of 6
+   against its group, whose weights then stay in its cache. The sums run over k in order: rounding differs from
+   MKL's blocked sums. */
+void miles_gemm(const float *x, int64_t ldx, const float *wt, const float *add, int64_t ld_add, float *out, int64_t M,
+                int64_t K, int64_t N, int swiglu) {
+  const int64_t width = swiglu ? N / 2 : N, per = swiglu ? 32 : 64, groups = (width + per - 1) / per, tiles = (M + 5) / 6;
+#pragma omp parallel for collapse(2) schedule(static) if (M * K * N >= 131072)
+  for (int64_t gi = 0; gi < groups; ++gi)
+    for (int64_t ti = 0; ti < tiles; ++ti) {
+      const int64_t j = gi * per, r0 = ti * 6, rc = M - r0 < 6 ? M - r0 : 6;
+      const int64_t nv = swiglu ? 2 * ((width - j) / 16 < 2 ? (width - j) / 16 : 2) : ((width - j) / 16 < 4 ? (width - j) / 16 : 4);
+      int64_t c[4];
+      for (int64_t v = 0; v < nv; ++v) c[v] = swiglu ? (v % 2) * (N / 2) + j + 16 * (v / 2) : j + 16 * v;
+      v16 acc[6][4];
+      const float *xr = x + r0 * ldx;
+      switch (rc * 8 + nv) {
+#define TILE(RC, NV) case RC * 8 + NV: gemm_tile(xr, ldx, wt, N, K, RC, c, NV, acc); break;
+        TILE(1, 1) TILE(1, 2) TILE(1, 3) TILE(1, 4) TILE(2, 1) TILE(2, 2) TILE(2, 3) TILE(2, 4)
+        TILE(3, 1) TILE(3, 2) TILE(3, 3) TILE(3, 4) TILE(4, 1) TILE(4, 2) TILE(4, 3) TILE(4, 4)
+        TILE(5, 1) TILE(5, 2) TILE(5, 3) TILE(5, 4) TILE(6, 1) TILE(6, 2) TILE(6, 3) TILE(6, 4)
+#undef TILE
+      }
+      for (int64_t r = 0; r < rc; ++r) {
+        float *o = out + (r0 + r) * width + j;
+        if (swiglu) { /* acc[r][2u] gate, acc[r][2u + 1] up; silu(g) * u as miles_silu_mul computes it */
+          for (int64_t u = 0; u < nv / 2; ++u) {
+            const v16 g = acc[r][2 * u];
+            st(o + 16 * u, g / (exp_any(-g) + 1.0f) * acc[r][2 * u + 1]);
+          }
+        } else if (add) {
+          const float *a = add + (r0 + r) * ld_add + j;
+          for (int64_t v = 0; v < nv; ++v) st(o + 16 * v, ld(a + 16 * v) + acc[r][v]);
+        } else {
+          for (int64_t v = 0; v < nv; ++v) st(o + 16 * v, acc[r][v]);
+        }
+      }
+    }
+}

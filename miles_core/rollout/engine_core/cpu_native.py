@@ -130,7 +130,9 @@ class NativeKernels:
         self._prefill_attn.argtypes = [p, i, p, p, p, i, i, p, p, p, p, i, i, i, i, i, f]
         self._sample = lib.miles_sample
         self._sample.argtypes = [p, i, p, p, p, i, p, p, i, i]
-        for fn in (self._rmsnorm, self._silu_mul, self._attn, self._prefill_rope, self._prefill_attn, self._sample):
+        self._gemm = lib.miles_gemm
+        self._gemm.argtypes = [p, i, p, p, i, p, i, i, i, ctypes.c_int]
+        for fn in (self._rmsnorm, self._silu_mul, self._attn, self._prefill_rope, self._prefill_attn, self._sample, self._gemm):
             fn.restype = None
 
     @classmethod
@@ -206,3 +208,13 @@ class NativeKernels:
         self._sample(logits.data_ptr(), logits.stride(0), temperature.data_ptr(), seeds.data_ptr(), counters.data_ptr(),
                      offset, tok.data_ptr(), lp.data_ptr(), b, v)
         return tok, lp
+
+    def gemm(self, x: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, add: torch.Tensor | None = None,
+             swiglu: bool = False) -> torch.Tensor:
+        """``out = x @ wt (+ add)``, or with ``swiglu`` ``silu(x @ wt[:, :I]) * (x @ wt[:, I:])``: x [M, K] and add
+        [M, N] (row strides free), wt [K, N] contiguous, out [M, N] (or [M, I], I = N / 2) contiguous; N (or I) a
+        multiple of 16."""
+        m, k = x.shape
+        self._gemm(x.data_ptr(), x.stride(0), wt.data_ptr(), _ptr(add), 0 if add is None else add.stride(0), out.data_ptr(),
+                   m, k, wt.shape[1], int(swiglu))
+        return out
