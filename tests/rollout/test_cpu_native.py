@@ -242,3 +242,21 @@ def test_sampler_matches_sample_torch(nat, b, vocab, sampled):
         assert torch.allclose(lp, ref_lp, atol=2e-6, rtol=1e-6)
     if sampled:  # the draws differ from the greedy choice somewhere (the test sees real sampling)
         assert not torch.equal(tok, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 32, 32), (7, 128, 80), (5, 64, 96), (64, 128, 768), (13, 384, 144), (130, 64, 256)])
+def test_gemm_matches_torch(nat, m, k, n):
+    """The decode GEMM (6-row tiles, 64-column groups: row and column tails here) against torch.mm: plain, with the
+    residual added in place, and with SwiGLU in the epilogue (gate = the first n / 2 columns)."""
+    g = torch.Generator().manual_seed(m * n)
+    x = torch.randn(m, k + 3, generator=g)[:, :k]  # rows strided
+    wt = torch.randn(n, k, generator=g).t().contiguous() / k**0.5
+    ref = torch.mm(x, wt)
+    assert torch.allclose(nat.gemm(x, wt, torch.full((m, n), float("nan"))), ref, atol=1e-5, rtol=1e-5)
+    res = torch.randn(m, n, generator=g)
+    expect = res + ref
+    assert torch.allclose(nat.gemm(x, wt, res, add=res), expect, atol=1e-5, rtol=1e-5)
+    if n % 32 == 0:
+        gate, up = ref.chunk(2, -1)
+        out = nat.gemm(x, wt, torch.full((m, n // 2), float("nan")), swiglu=True)
+        assert torch.allclose(out, F.silu(gate) * up, atol=1e-5, rtol=1e-5)

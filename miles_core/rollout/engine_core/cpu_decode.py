@@ -330,15 +330,12 @@ class CpuDecoder:
                 routes.append(torch.stack(routed, 1))
         # the window's new K/V into the paged cache: [L, B, Hk, .., K, ..] -> [L, B*K, Hk, D] at slots [B*K]
         nl, flat = run.num_layers, wslots.flatten()
-        if self.blocked:  # the blocks that hold columns t0 .. t0+k-1, as [L, B, T, Hk, D]
-            kb = KEY_BLOCK
-            b0, b1 = t0 // kb, -(-(t0 + k) // kb)
-            keys = kt[:, :, :, b0:b1].permute(0, 1, 3, 5, 2, 4).reshape(nl, b, kb * (b1 - b0), hk, d)
-            keys = keys[:, :, t0 - kb * b0 : t0 - kb * b0 + k]
+        if self.blocked:  # one C call copies the columns t0 .. t0+k-1 of every layer, row and KV head
+            self._native.write_back(kt, vw, run.kv, flat, t0, k)
         else:
             keys = kt[..., t0 : t0 + k].permute(0, 1, 4, 2, 3)
-        run.kv[:, 0].index_copy_(1, flat, keys.reshape(nl, b * k, hk, d))
-        run.kv[:, 1].index_copy_(1, flat, vw[..., t0 : t0 + k, :].transpose(2, 3).reshape(nl, b * k, hk, d))
+            run.kv[:, 0].index_copy_(1, flat, keys.reshape(nl, b * k, hk, d))
+            run.kv[:, 1].index_copy_(1, flat, vw[..., t0 : t0 + k, :].transpose(2, 3).reshape(nl, b * k, hk, d))
         self.used = t0 + k  # mask columns past the old `used` are 0 already: these are now context
         self.rows, self.next_pos = list(reqs), [x + k for x in positions]
         return WindowOut(torch.stack(toks, 1), torch.stack(lps, 1), tops, routes)

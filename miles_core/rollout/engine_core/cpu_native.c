@@ -410,3 +410,24 @@ void miles_gemm(const float *x, int64_t ldx, const float *wt, const float *add, 
       }
     }
 }
+
+
+/* ---------------------------------------------------------------- the window's K/V into the pages */
+/* After a decode window of K steps: columns t0 .. t0 + K - 1 of the window buffer, kb [L, B, Hk, cap / 16, D, 16]
+   and v [L, B, Hk, cap, D], into the paged cache kv [L, 2, S, Hk, D]: step j of row b at slot slots[b * K + j]. */
+void miles_write_back(const float *kb, const float *v, float *kv, const int64_t *slots, int64_t L, int64_t B, int64_t Hk,
+                      int64_t D, int64_t cap, int64_t S, int64_t t0, int64_t K) {
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t g = 0; g < Hk; ++g) {
+        const int64_t head = (l * B + b) * Hk + g;
+        const float *kh = kb + head * cap * D, *vh = v + head * cap * D;
+        for (int64_t j = 0; j < K; ++j) {
+          const int64_t t = t0 + j, slot = slots[b * K + j];
+          float *kd = kv + ((l * 2 * S + slot) * Hk + g) * D, *vd = kd + S * Hk * D;
+          const float *src = kh + (t / 16) * 16 * D + t % 16;
+          for (int64_t d = 0; d < D; ++d) kd[d] = src[d * 16];
+          memcpy(vd, vh + t * D, sizeof(float) * (size_t)D);
+        }
+      }
+}

@@ -132,7 +132,10 @@ class NativeKernels:
         self._sample.argtypes = [p, i, p, p, p, i, p, p, i, i]
         self._gemm = lib.miles_gemm
         self._gemm.argtypes = [p, i, p, p, i, p, i, i, i, ctypes.c_int]
-        for fn in (self._rmsnorm, self._silu_mul, self._attn, self._prefill_rope, self._prefill_attn, self._sample, self._gemm):
+        self._write_back = lib.miles_write_back
+        self._write_back.argtypes = [p, p, p, p, i, i, i, i, i, i, i, i]
+        for fn in (self._rmsnorm, self._silu_mul, self._attn, self._prefill_rope, self._prefill_attn, self._sample, self._gemm,
+                   self._write_back):
             fn.restype = None
 
     @classmethod
@@ -218,3 +221,12 @@ class NativeKernels:
         self._gemm(x.data_ptr(), x.stride(0), wt.data_ptr(), _ptr(add), 0 if add is None else add.stride(0), out.data_ptr(),
                    m, k, wt.shape[1], int(swiglu))
         return out
+
+    def write_back(self, kb: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, t0: int, steps: int) -> None:
+        """A decode window's new K/V into the paged cache: columns ``t0 .. t0 + steps - 1`` of the window buffer, kb
+        [L, B, Hk, cap / 16, D, 16] and v [L, B, Hk, cap, D], into kv [L, 2, S, Hk, D] at ``slots`` [B * steps]
+        int64 (row b's step j at ``slots[b * steps + j]``)."""
+        nl, b, hk, nb, d, _ = kb.shape
+        assert kv.is_contiguous() and slots.is_contiguous() and slots.dtype == torch.int64
+        self._write_back(kb.data_ptr(), v.data_ptr(), kv.data_ptr(), slots.data_ptr(), nl, b, hk, d, nb * KEY_BLOCK,
+                         kv.shape[2], t0, steps)
