@@ -284,7 +284,11 @@ class CpuDecoder:
             assert kt.is_contiguous() and vw.is_contiguous() and self.mask.is_contiguous()
             nat, mask2d, k_l, v_l = self._native, self.mask.view(b * hk, -1), kt.unbind(0), vw.unbind(0)
             bufs, o_buf = cpu_layers.buffers(nplan, b, embed.shape[1]), torch.empty(b, nq)
+            own_gemm = cpu_layers.gemm_ok(nplan, b)
+            # the whole step in one call (cpu_native.c's miles_decode_step) where every layer is a dense SwiGLU one
+            whole = cpu_layers.step_args(nplan, k_l, v_l) if own_gemm else None
         else:  # per layer, views made once per window (indexing costs as much as a small op):
+            whole = None
             # K [B*Hk, D, cap] and V [B*Hk, cap, D] for the batched matmuls
             k_mm = [x.view(b * hk, d, -1) for x in kt.unbind(0)]
             v_mm = [x.view(b * hk, -1, d) for x in vw.unbind(0)]
@@ -293,11 +297,14 @@ class CpuDecoder:
         for j, (c, s) in enumerate(zip(cos, sin)):
             routed = []
             x = F.embedding(tok, embed)
-            if nplan is not None:
+            if whole is not None:
+                nat.decode_step(x, *whole, c, s, mask2d, t0 + j, scale, bufs, o_buf, h, hk)
+                xn = nat.rmsnorm(x, fn[1], fn[2], bufs[0])
+            elif nplan is not None:
                 def attend(i, qkv, q_w, k_w, qk_eps, c=c, s=s, col=t0 + j):  # column col gets the new K/V
                     return nat.attn_step(qkv, c, s, q_w, k_w, qk_eps, k_l[i], v_l[i], mask2d, o_buf, h, col, scale)
 
-                x = cpu_layers.native_layers(nat, nplan, x, attend, bufs, run, routed)
+                x = cpu_layers.native_layers(nat, nplan, x, attend, bufs, run, routed, own_gemm)
                 xn = nat.rmsnorm(x, fn[1], fn[2], bufs[0])
             else:
                 end = t0 + j + 1

@@ -49,29 +49,54 @@ def mlp_residual(x: torch.Tensor, hn: torch.Tensor, mlp, gate_up, act, down_w, r
 Attend = Callable[[int, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", float], torch.Tensor]
 
 
-def native_layers(nat: NativeKernels, nplan: list, x: torch.Tensor, attend: Attend, bufs: tuple, run, routed: list) -> torch.Tensor:
+def native_layers(nat: NativeKernels, nplan: list, x: torch.Tensor, attend: Attend, bufs: tuple, run, routed: list,
+                  own_gemm: bool) -> torch.Tensor:
     """The layers over the rows of ``x`` [rows, hidden]: per layer RMSNorm, the q/k/v GEMM, ``attend``, the
     o_proj GEMM with the residual added in it, RMSNorm, the gate/up GEMM with SwiGLU, the down GEMM with its
     residual. ``bufs`` (:func:`buffers`): the norm's, SwiGLU's and q/k/v's outputs, each read by the GEMM
-    right after it. Up to ``GEMM_ROWS`` rows (a decode step) the GEMMs are cpu_native.c's, SwiGLU in the gate/up
-    GEMM's epilogue and the residuals added into ``x`` in place; above (a prefill), MKL's (``torch.mm``,
+    right after it. ``own_gemm`` (:func:`gemm_ok`, a decode step): the GEMMs are cpu_native.c's, SwiGLU in the
+    gate/up GEMM's epilogue and the residuals added into ``x`` in place; else (a prefill) MKL's (``torch.mm``,
     ``addmm``). Returns the hidden states before the final norm."""
     h_buf, a_buf, qkv_buf = bufs
-    own = x.shape[0] <= GEMM_ROWS and x.shape[1] % 16 == 0 and a_buf.shape[1] % 16 == 0
     for i, (w1, e1, qkv_w, qw, kw, qk_eps, o_w, w2, e2, mlp_plan, swiglu) in enumerate(nplan):
         hn = nat.rmsnorm(x, w1, e1, h_buf)
-        qkv = nat.gemm(hn, qkv_w, qkv_buf) if own else torch.mm(hn, qkv_w)
+        qkv = nat.gemm(hn, qkv_w, qkv_buf) if own_gemm else torch.mm(hn, qkv_w)
         o = attend(i, qkv, qw, kw, qk_eps)
-        x = nat.gemm(o, o_w, x, add=x) if own else torch.addmm(x, o, o_w)
+        x = nat.gemm(o, o_w, x, add=x) if own_gemm else torch.addmm(x, o, o_w)
         hn = nat.rmsnorm(x, w2, e2, h_buf)
         mlp, gate_up, act, down_w = mlp_plan
-        if swiglu and own:
+        if swiglu and own_gemm:
             x = nat.gemm(nat.gemm(hn, gate_up, a_buf, swiglu=True), down_w, x, add=x)
         elif swiglu:
             x = torch.addmm(x, nat.silu_mul(torch.mm(hn, gate_up), a_buf), down_w)
         else:
             x = mlp_residual(x, hn, mlp, gate_up, act, down_w, run, routed)
     return x
+
+
+def gemm_ok(nplan: list, rows: int) -> bool:
+    """Whether :func:`native_layers` runs cpu_native.c's GEMMs for ``rows`` rows: at most ``GEMM_ROWS``, and every
+    projection's ``W^T`` contiguous (runner.fuse's CPU layout) with an output width that is a multiple of 16."""
+    if rows > GEMM_ROWS:
+        return False
+    for _, _, qkv_w, _, _, _, o_w, _, _, (_, gate_up, _, down_w), swiglu in nplan:
+        ws = (qkv_w, o_w, gate_up, down_w) if swiglu else (qkv_w, o_w)
+        if any(not w.is_contiguous() or w.shape[1] % 16 for w in ws) or (swiglu and gate_up.shape[1] % 32):
+            return False
+    return True
+
+
+def step_args(nplan: list, keys: tuple, values: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What :meth:`.cpu_native.NativeKernels.decode_step` takes for a window: per layer the weights' and the window
+    buffer's addresses [L, 10] int64 and the eps [L, 3] fp32; None where a layer's MLP is not the reference SwiGLU
+    (MoE: its routing runs in torch). The tensors behind the addresses are ``nplan``'s and the window's own."""
+    if not all(swiglu for *_, swiglu in nplan):
+        return None
+    ptrs, eps = [], []
+    for (w1, e1, qkv_w, qw, kw, qk_eps, o_w, w2, e2, (_, gate_up, _, down_w), _), kb, v in zip(nplan, keys, values):
+        ptrs.append([t.data_ptr() if t is not None else 0 for t in (w1, qkv_w, qw, kw, o_w, w2, gate_up, down_w, kb, v)])
+        eps.append([e1, e2, qk_eps])
+    return torch.tensor(ptrs, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32)
 
 
 def buffers(nplan: list, rows: int, hidden: int) -> tuple:
@@ -103,7 +128,7 @@ def prefill(nat: NativeKernels, nplan: list, run, rope_tables: tuple, final_norm
 
     routed: list = []
     x = F.embedding(input_ids, model.model.embed_tokens.weight)
-    x = native_layers(nat, nplan, x, attend, buffers(nplan, n, x.shape[1]), run, routed)
+    x = native_layers(nat, nplan, x, attend, buffers(nplan, n, x.shape[1]), run, routed, gemm_ok(nplan, n))
     routes = torch.stack(routed, 1) if routed else None
     if not logits_index.numel():
         return None, routes

@@ -91,9 +91,16 @@ static inline void rmsnorm_row(const float *x, const float *w, float *out, int64
   for (; i < n; ++i) out[i] = w[i] * (x[i] * inv);
 }
 
-void miles_rmsnorm(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows, int64_t n, float eps) {
-#pragma omp parallel for schedule(static) if (rows * n >= 65536)
+/* The kernels' loops are work-sharing (orphaned "omp for") bodies: the exported function opens a parallel region
+   around one, miles_decode_step one around all of a step's. Outside any region they run on the calling thread. */
+static void rmsnorm_for(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows, int64_t n, float eps) {
+#pragma omp for schedule(static)
   for (int64_t r = 0; r < rows; ++r) rmsnorm_row(x + r * x_stride, w, out + r * n, n, eps);
+}
+
+void miles_rmsnorm(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows, int64_t n, float eps) {
+#pragma omp parallel if (rows * n >= 65536)
+  rmsnorm_for(x, x_stride, w, out, rows, n, eps);
 }
 
 /* ---------------------------------------------------------------- SwiGLU */
@@ -214,39 +221,42 @@ static void attend(const float *q, const float *kb, const float *v, const float 
    rotary); cos, sin [B, cs_stride] (the row's position); q_w, k_w: per-head RMSNorm weights [D] or NULL;
    kb [B, Hk, cap / 16, D, 16], v [B, Hk, cap, D]: the window buffer, column col gets the new K/V;
    mask [B * Hk, cap]; out [B, H * D]. Attends over columns [0, col]. */
+static void attn_step_for(const float *qkv, int64_t qkv_stride, const float *cos, const float *sin, int64_t cs_stride,
+                          const float *q_w, const float *k_w, float qk_eps, float *kb, float *v, const float *mask,
+                          float *out, int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t cap, int64_t col, float scale) {
+  const int64_t R = H / Hk, n = col + 1, ns = (n + 15) & ~(int64_t)15;
+  float *s = malloc(sizeof(float) * (size_t)(R * ns + H * D + D)); /* this thread's scratch */
+  if (!s) abort(); /* a few KB: never silently skip rows */
+#pragma omp for schedule(static)
+  for (int64_t b = 0; b < B; ++b) {
+    const float *row = qkv + b * qkv_stride, *c = cos + b * cs_stride, *sn = sin + b * cs_stride;
+    float *q = s + R * ns, *kk = q + H * D;
+    for (int64_t h = 0; h < H; ++h) {
+      if (q_w) rmsnorm_row(row + h * D, q_w, q + h * D, D, qk_eps);
+      else memcpy(q + h * D, row + h * D, sizeof(float) * (size_t)D);
+      rope_head(q + h * D, c, sn, D);
+    }
+    for (int64_t g = 0; g < Hk; ++g) {
+      const float *kin = row + (H + g) * D, *vin = row + (H + Hk + g) * D;
+      if (k_w) rmsnorm_row(kin, k_w, kk, D, qk_eps);
+      else memcpy(kk, kin, sizeof(float) * (size_t)D);
+      rope_head(kk, c, sn, D);
+      float *kbg = kb + (b * Hk + g) * cap * D, *vg = v + (b * Hk + g) * cap * D;
+      float *kcol = kbg + (col / 16) * 16 * D + col % 16;
+      for (int64_t d = 0; d < D; ++d) kcol[d * 16] = kk[d];
+      memcpy(vg + col * D, vin, sizeof(float) * (size_t)D);
+      attend(q + g * R * D, kbg, vg, mask + (b * Hk + g) * cap, out + b * H * D + g * R * D, s, R, D, n, scale);
+    }
+  }
+  free(s);
+}
+
 void miles_attn_step(const float *qkv, int64_t qkv_stride, const float *cos, const float *sin, int64_t cs_stride,
                      const float *q_w, const float *k_w, float qk_eps, float *kb, float *v, const float *mask, float *out,
                      int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t cap, int64_t col, float scale) {
-  const int64_t R = H / Hk, n = col + 1, ns = (n + 15) & ~(int64_t)15;
-#pragma omp parallel if (B * Hk * n * D >= 32768)
-  {
-    float *s = malloc(sizeof(float) * (size_t)(R * ns + H * D + D));
-    if (!s) abort(); /* a few KB: never silently skip rows */
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < B; ++b) {
-      const float *row = qkv + b * qkv_stride, *c = cos + b * cs_stride, *sn = sin + b * cs_stride;
-      float *q = s + R * ns, *kk = q + H * D;
-      for (int64_t h = 0; h < H; ++h) {
-        if (q_w) rmsnorm_row(row + h * D, q_w, q + h * D, D, qk_eps);
-        else memcpy(q + h * D, row + h * D, sizeof(float) * (size_t)D);
-        rope_head(q + h * D, c, sn, D);
-      }
-      for (int64_t g = 0; g < Hk; ++g) {
-        const float *kin = row + (H + g) * D, *vin = row + (H + Hk + g) * D;
-        if (k_w) rmsnorm_row(kin, k_w, kk, D, qk_eps);
-        else memcpy(kk, kin, sizeof(float) * (size_t)D);
-        rope_head(kk, c, sn, D);
-        float *kbg = kb + (b * Hk + g) * cap * D, *vg = v + (b * Hk + g) * cap * D;
-        float *kcol = kbg + (col / 16) * 16 * D + col % 16;
-        for (int64_t d = 0; d < D; ++d) kcol[d * 16] = kk[d];
-        memcpy(vg + col * D, vin, sizeof(float) * (size_t)D);
-        attend(q + g * R * D, kbg, vg, mask + (b * Hk + g) * cap, out + b * H * D + g * R * D, s, R, D, n, scale);
-      }
-    }
-    free(s);
-  }
+#pragma omp parallel if (B * Hk * (col + 1) * D >= 32768)
+  attn_step_for(qkv, qkv_stride, cos, sin, cs_stride, q_w, k_w, qk_eps, kb, v, mask, out, B, H, Hk, D, cap, col, scale);
 }
-
 
 /* ---------------------------------------------------------------- prefill */
 /* The prologue of one layer's prefill of N token rows: per row, optional per-head RMSNorm of q and k, rotate-half
@@ -375,10 +385,10 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *x, int6
    (with swiglu 32 gate + the 32 matching up columns) are split over the threads, each running all row tiles of 6
    against its group, whose weights then stay in its cache. The sums run over k in order: rounding differs from
    MKL's blocked sums. */
-void miles_gemm(const float *x, int64_t ldx, const float *wt, const float *add, int64_t ld_add, float *out, int64_t M,
-                int64_t K, int64_t N, int swiglu) {
+static void gemm_for(const float *x, int64_t ldx, const float *wt, const float *add, int64_t ld_add, float *out, int64_t M,
+                     int64_t K, int64_t N, int swiglu) {
   const int64_t width = swiglu ? N / 2 : N, per = swiglu ? 32 : 64, groups = (width + per - 1) / per, tiles = (M + 5) / 6;
-#pragma omp parallel for collapse(2) schedule(static) if (M * K * N >= 131072)
+#pragma omp for collapse(2) schedule(static)
   for (int64_t gi = 0; gi < groups; ++gi)
     for (int64_t ti = 0; ti < tiles; ++ti) {
       const int64_t j = gi * per, r0 = ti * 6, rc = M - r0 < 6 ? M - r0 : 6;
@@ -411,6 +421,11 @@ void miles_gemm(const float *x, int64_t ldx, const float *wt, const float *add, 
     }
 }
 
+void miles_gemm(const float *x, int64_t ldx, const float *wt, const float *add, int64_t ld_add, float *out, int64_t M,
+                int64_t K, int64_t N, int swiglu) {
+#pragma omp parallel if (M * K * N >= 131072)
+  gemm_for(x, ldx, wt, add, ld_add, out, M, K, N, swiglu);
+}
 
 /* ---------------------------------------------------------------- the window's K/V into the pages */
 /* After a decode window of K steps: columns t0 .. t0 + K - 1 of the window buffer, kb [L, B, Hk, cap / 16, D, 16]
@@ -430,4 +445,35 @@ void miles_write_back(const float *kb, const float *v, float *kv, const int64_t 
           memcpy(vd, vh + t * D, sizeof(float) * (size_t)D);
         }
       }
+}
+
+
+/* ---------------------------------------------------------------- a whole decode step */
+/* The layers of one decode step of B rows in one parallel region: per layer RMSNorm, the q/k/v GEMM, the attention
+   step (miles_attn_step), the o_proj GEMM with the residual added into x, RMSNorm, the gate/up GEMM with SwiGLU, the
+   down GEMM with its residual; each phase a work-sharing loop whose closing barrier orders it before the next. The
+   same kernels as the per-call path, in the same order: the same bits.
+   x [B, hidden] contiguous: in, the step's embeddings; out, the hidden states before the final norm. Per layer l,
+   ptrs[l * 10 ..]: input norm weight, q/k/v W^T [hidden, (H + 2 Hk) D], q-norm and k-norm weights (0: none), o_proj
+   W^T [H D, hidden], post-attention norm weight, gate/up W^T [hidden, 2 I], down W^T [I, hidden], the window's keys
+   [B, Hk, cap / 16, D, 16] and values [B, Hk, cap, D]; eps[l * 3 ..]: the two norms' eps and the q/k norms'.
+   Buffers: h [B, hidden], qkv [B, (H + 2 Hk) D], o [B, H D], a [B, I]. */
+void miles_decode_step(float *x, const int64_t *ptrs, const float *eps, int64_t L, const float *cos, const float *sin,
+                       int64_t cs_stride, const float *mask, int64_t col, float scale, float *h, float *qkv, float *o,
+                       float *a, int64_t B, int64_t hidden, int64_t H, int64_t Hk, int64_t D, int64_t inter, int64_t cap) {
+  const int64_t nqkv = (H + 2 * Hk) * D;
+#pragma omp parallel
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t *p = ptrs + l * 10;
+    const float *e = eps + l * 3;
+#define W(i) ((float *)(intptr_t)p[i])
+    rmsnorm_for(x, hidden, W(0), h, B, hidden, e[0]);
+    gemm_for(h, hidden, W(1), NULL, 0, qkv, B, hidden, nqkv, 0);
+    attn_step_for(qkv, nqkv, cos, sin, cs_stride, W(2), W(3), e[2], W(8), W(9), mask, o, B, H, Hk, D, cap, col, scale);
+    gemm_for(o, H * D, W(4), x, hidden, x, B, H * D, hidden, 0);
+    rmsnorm_for(x, hidden, W(5), h, B, hidden, e[1]);
+    gemm_for(h, hidden, W(6), NULL, 0, a, B, hidden, 2 * inter, 1);
+    gemm_for(a, inter, W(7), x, hidden, x, B, inter, hidden, 0);
+#undef W
+  }
 }

@@ -134,8 +134,10 @@ class NativeKernels:
         self._gemm.argtypes = [p, i, p, p, i, p, i, i, i, ctypes.c_int]
         self._write_back = lib.miles_write_back
         self._write_back.argtypes = [p, p, p, p, i, i, i, i, i, i, i, i]
+        self._step = lib.miles_decode_step
+        self._step.argtypes = [p, p, p, i, p, p, i, p, i, f, p, p, p, p, i, i, i, i, i, i, i]
         for fn in (self._rmsnorm, self._silu_mul, self._attn, self._prefill_rope, self._prefill_attn, self._sample, self._gemm,
-                   self._write_back):
+                   self._write_back, self._step):
             fn.restype = None
 
     @classmethod
@@ -230,3 +232,17 @@ class NativeKernels:
         assert kv.is_contiguous() and slots.is_contiguous() and slots.dtype == torch.int64
         self._write_back(kb.data_ptr(), v.data_ptr(), kv.data_ptr(), slots.data_ptr(), nl, b, hk, d, nb * KEY_BLOCK,
                          kv.shape[2], t0, steps)
+
+    def decode_step(self, x: torch.Tensor, ptrs: torch.Tensor, eps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    mask: torch.Tensor, col: int, scale: float, bufs: tuple, o: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+        """All layers of one decode step in one call, in place on x [B, hidden] (the embeddings in, the hidden states
+        before the final norm out): ``ptrs`` [L, 10] and ``eps`` [L, 3] from :func:`.cpu_layers.step_args`; cos, sin
+        [B, D] (row stride free), mask [B * Hk, cap], column ``col`` as :meth:`attn_step`; ``bufs`` = (norm [B,
+        hidden], SwiGLU [B, I], q/k/v [B, (H + 2 Hk) D]) and o [B, H D], contiguous."""
+        h, a, qkv = bufs
+        b, hidden = x.shape
+        d = qkv.shape[1] // (heads + 2 * kv_heads)
+        self._step(x.data_ptr(), ptrs.data_ptr(), eps.data_ptr(), ptrs.shape[0], cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                   mask.data_ptr(), col, scale, h.data_ptr(), qkv.data_ptr(), o.data_ptr(), a.data_ptr(), b, hidden, heads,
+                   kv_heads, d, a.shape[1], mask.shape[1])
+        return x
