@@ -16,7 +16,7 @@ from miles_core.errors import ConfigError
 from miles_core.kernels.rmsnorm import rmsnorm_torch
 from miles_core.kernels.rope import rope_torch
 from miles_core.rollout.base import SamplingParams
-from miles_core.rollout.engine_core import cpu_native
+from miles_core.rollout.engine_core import cpu_layers, cpu_native
 from miles_core.rollout.engine_core.attention import AttnBatch, paged_attention
 from miles_core.rollout.engine_core.config import EngineConfig
 from miles_core.rollout.engine_core.core import EngineCore
@@ -260,3 +260,39 @@ def test_gemm_matches_torch(nat, m, k, n):
         gate, up = ref.chunk(2, -1)
         out = nat.gemm(x, wt, torch.full((m, n // 2), float("nan")), swiglu=True)
         assert torch.allclose(out, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_whole_step_equals_the_per_call_layers(nat, family, tmp_path):
+    """miles_decode_step (all layers in one call) runs the per-call path's kernels in the same order: the same bits
+    for the hidden states and the window buffer's new K/V column."""
+    make_hf_model(family, tmp_path, head_dim=16)
+    core = EngineCore(load_miles(tmp_path), EngineConfig(block_size=4, cpu_kernels="native"))
+    dec, run = core._cpu, core.runner
+    *_, nplan = dec._window_statics()
+    assert nplan is not None and cpu_layers.gemm_ok(nplan, 5)
+    g = torch.Generator().manual_seed(3)
+    b, hk, d, cap, col = 5, run.kv_heads, run.head_dim, 32, 9
+    heads = run.model.config.num_heads
+    hidden = run.model.config.hidden_size
+    x0 = torch.randn(b, hidden, generator=g)
+    cos, sin = torch.randn(b, d, generator=g), torch.randn(b, d, generator=g)
+    keys = torch.randn(run.num_layers, b, hk, cap // 16, d, 16, generator=g)
+    values = torch.randn(run.num_layers, b, hk, cap, d, generator=g)
+    mask = torch.zeros(b * hk, cap)
+    mask[1::2, :3] = float("-inf")
+    outs = []
+    for whole in (True, False):
+        k_l, v_l = keys.clone().unbind(0), values.clone().unbind(0)
+        bufs, o_buf, x = cpu_layers.buffers(nplan, b, hidden), torch.empty(b, heads * d), x0.clone()
+        if whole:
+            nat.decode_step(x, *cpu_layers.step_args(nplan, k_l, v_l), cos, sin, mask, col, d**-0.5, bufs, o_buf, heads, hk)
+        else:
+            def attend(i, qkv, q_w, k_w, eps):
+                return nat.attn_step(qkv, cos, sin, q_w, k_w, eps, k_l[i], v_l[i], mask, o_buf, heads, col, d**-0.5)
+
+            x = cpu_layers.native_layers(nat, nplan, x, attend, bufs, run, [], True)
+        outs.append((x, torch.stack(k_l), torch.stack(v_l)))
+    for a, b_ in zip(*outs):
+        assert torch.equal(a, b_)
+    assert not torch.equal(outs[0][0], x0) and not torch.equal(outs[0][1], keys)  # the step did run
