@@ -30,8 +30,8 @@ class RolloutConfig:
     # built-in engine on GPU: the share of the free memory (after its weights) taken for the KV cache,
     # once at start-up; 0 = the engine's default (0.5). Lower it when the trainer shares the GPU.
     kv_memory_fraction: float = 0.0
-    # built-in engine on CPU, fp32: auto = the decode window's fused C kernels (built with the system C
-    # compiler at first use; torch ops where that fails) | native (an error where they do not build) | torch
+    # built-in engine on CPU, fp32: auto = prefill, decode and sampling through the C kernels (built with the
+    # system C compiler at first use; torch ops where that fails) | native (an error where they do not build) | torch
     cpu_kernels: str = "auto"
     sglang: SglangConfig = field(default_factory=SglangConfig)  # rollout.backend=sglang
 

@@ -1,6 +1,7 @@
 """Schedules, deterministic seeds, saved rollouts and --resume, end to end on a tiny CPU config."""
 
 import json
+import time
 
 import pytest
 
@@ -11,6 +12,7 @@ from miles_core.orchestration.loop import run_loop
 from miles_core.orchestration.rollout_io import load_rollouts
 from miles_core.plugins.manager import MilesPlugins
 from miles_core.rollout.base import SamplingParams
+from miles_core.rollout.engine_core.core import EngineCore
 from miles_core.testing.contracts import tiny_config
 from miles_core.types import Prompt
 
@@ -136,7 +138,12 @@ class Partials:
         self.steps[step] = [(s.weight_version, s.metadata["weight_versions"], s.metadata["resumed_at"], len(s.response_ids), s.finish_reason) for s in samples]
 
 
-def test_async_partial_rollouts_are_continued_within_the_staleness_bound(tmp_path):
+def test_async_partial_rollouts_are_continued_within_the_staleness_bound(tmp_path, monkeypatch):
+    # A weight update cuts the requests still running. Whether any are depends on how long a rollout takes
+    # against a train step: the engine's steps are slowed (15 ms each) so that the next batch is still being
+    # generated when a train step ends, however fast this machine's CPU kernels are.
+    step = EngineCore.step
+    monkeypatch.setattr(EngineCore, "step", lambda self: time.sleep(0.015) or step(self))
     cfg = tiny_config(
         tmp_path, "run.num_rollout=4", "orchestration.schedule=async", "orchestration.max_staleness=1",
         "orchestration.deterministic=true", "rollout.max_response_len=24", "rollout.temperature=1.0",

@@ -49,9 +49,9 @@ class EngineConfig:
     # call per layer and step, inference mode): same tokens, a fraction of the host overhead. False
     # keeps the generic eager path (runner.decode). No effect on GPU or with exact_attention.
     cpu_decode_window: bool = True
-    # CPU decode window, fp32: "auto" runs each layer's norms, rotary + K/V write + attention, and SwiGLU as the
-    # fused C kernels of cpu_native.c (built with the system C compiler at first use; torch ops where it fails),
-    # "native" the same but an error where they do not build, "torch" the torch ops only
+    # CPU, fp32: "auto" runs prefill, the decode window's steps and sampling through the C kernels of cpu_native.c
+    # (built with the system C compiler at first use; torch ops where it fails), "native" the same but an error
+    # where they do not build, "torch" the torch ops only
     cpu_kernels: str = "auto"
 
     def validate(self) -> None:

@@ -33,9 +33,12 @@ stand-in (below), every projection the same (fused) weight, so engine and traine
 the same function. Steps run under ``torch.inference_mode``.
 
 In fp32, where the model holds the reference norm / rotary / SwiGLU ops and head_dim is a multiple of
-16, each layer of a step instead runs as four GEMMs and three calls into :mod:`.cpu_native` (norm;
-q/k norm + rotary + K/V column write + attention; SwiGLU): ``engine.cpu_kernels``, ``auto`` by
-default. Those sum in another order than torch (rounding only); the torch ops stay the fallback.
+16, a step instead runs through the C kernels of :mod:`.cpu_native` (:mod:`.cpu_layers`): up to 128 rows
+of dense SwiGLU layers, all layers of the step in one call; else per layer the norm, q/k/v GEMM,
+q/k norm + rotary + K/V column write + attention, o_proj, norm, gate/up + SwiGLU and down calls; the
+C sampler where no row asks for a filter or top logprobs (:meth:`CpuDecoder.sampler`); and the
+prefill (:meth:`CpuDecoder.prefill`). ``engine.cpu_kernels``, ``auto`` by default. Those sum in
+another order than torch (rounding only); the torch ops stay the fallback.
 
 A request that ends inside the window still computes to its end; its extra tokens' K/V land in
 its own pages or the padding page 0 and are never read (as in the generic path).

@@ -1,25 +1,32 @@
-/* Miles: fused fp32 CPU kernels for the decode window (cpu_decode.py), built at first use by cpu_native.py.
+/* Miles: fp32 CPU kernels for the built-in engine (cpu_decode.py, cpu_layers.py), built at first use by cpu_native.py.
  *
  * A small model's CPU decode step is dozens of tiny torch ops, each costing microseconds of dispatch, and an
- * attention that reads each row's K/V through batched GEMMs of 1-8 rows. These three kernels do per layer and
- * step what took ~16 torch ops (the four GEMMs stay torch's):
+ * attention that reads each row's K/V through batched GEMMs of 1-8 rows. The kernels:
  *
- *   miles_rmsnorm    out = w * x * rsqrt(mean(x^2) + eps), per row
- *   miles_silu_mul   out = silu(gate) * up, with [gate | up] the rows of one GEMM's output
- *   miles_attn_step  per row: optional per-head RMSNorm of q and k (Qwen3), rotate-half rotary of q and k,
- *                    the new K/V column written into the window buffer, then attention of the row's query
- *                    heads over its columns [0, col] (the additive mask marks the row's context), softmax
- *                    in fp32, K/V read once per KV head for all R = H / Hk query heads of its group.
+ *   miles_rmsnorm       out = w * x * rsqrt(mean(x^2) + eps), per row
+ *   miles_silu_mul      out = silu(gate) * up, with [gate | up] the rows of one GEMM's output
+ *   miles_attn_step     per row: optional per-head RMSNorm of q and k (Qwen3), rotate-half rotary of q and k,
+ *                       the new K/V column written into the window buffer, then attention of the row's query
+ *                       heads over its columns [0, col] (the additive mask marks the row's context), softmax
+ *                       in fp32, K/V read once per KV head for all R = H / Hk query heads of its group
+ *   miles_gemm          x @ W^T for decode rows (register tiles of 6 rows x 64 columns), with the residual added
+ *                       or SwiGLU applied in the epilogue
+ *   miles_decode_step   every layer of one decode step in one OpenMP region (the kernels above, phase by phase)
+ *   miles_write_back    a decode window's new K/V columns into the paged cache
+ *   miles_prefill_rope  a prefill layer's q/k norm and rotary, in place, and its K/V into the paged cache
+ *   miles_prefill_attn  a prefill layer's causal attention over the pages, per (sequence, KV head)
+ *   miles_sample        greedy or Gumbel-max draw (sampler.py's counter-based uniforms) and the token's log-softmax
  *
  * Layouts are the window buffer's (cpu_decode.py): K in blocks of 16 columns [B, Hk, cap / 16, D, 16], V
  * [B, Hk, cap, D], mask [B * Hk, cap], cap a multiple of 16. Both are read front to back, one contiguous run per
  * (row, KV head): a K transposed to [D, cap] would be read as D short runs at a stride of cap, which the CPU's
- * prefetchers follow badly (measured: 6-8 GB/s against 34 GB/s for the same bytes contiguous, one core).
+ * prefetchers follow badly (measured: 6-8 GB/s against 34 GB/s for the same bytes contiguous, one core). The paged
+ * cache is runner.py's [S, Hk, D] per layer and K/V; weights are W^T [in, out] contiguous (runner.fuse's CPU layout).
  *
  * Elementwise arithmetic keeps torch's order (the build passes -ffp-contract=off): the rotary is bit-identical
- * to rope_torch; the reductions (norms, dot products, softmax sums) sum in another order, so
- * results differ from torch by rounding (~1e-7 relative). Rows run in parallel with OpenMP when the work is
- * large enough; torch's own libgomp is the one loaded, so these share its threads.
+ * to rope_torch; the reductions (norms, GEMM and dot-product sums, softmax sums) sum in another order, so
+ * results differ from torch by rounding (~1e-7 relative). Rows (or GEMM column groups) run in parallel with OpenMP
+ * when the work is large enough; torch's own libgomp is the one loaded, so these share its threads.
  *
  * Vectors are GCC/Clang vector extensions of 16 floats: one AVX-512 register, two AVX2 or four NEON ones.
  * D must be a multiple of 16 and at most 256 (the Python side checks).

@@ -1,4 +1,4 @@
-"""The fused fp32 CPU kernels of the decode window (``cpu_native.c``), built with the system's C compiler.
+"""The fp32 CPU kernels of the engine (``cpu_native.c``: decode window, prefill, sampling), built with the system's C compiler.
 
 :meth:`NativeKernels.load` compiles ``cpu_native.c`` once per source, compiler and CPU into a cache
 folder (``$MILES_CACHE_DIR/native``, else ``$XDG_CACHE_HOME/miles/native``, else
