@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--cpu-kernels", choices=rb.CPU_KERNELS, default="auto")
+    ap.add_argument("--max-batched-tokens", type=int, default=16384, help="prompt tokens per prefill step (rollout_bench.py: 16384)")
     args = ap.parse_args()
     a = argparse.Namespace(**rb.PRESETS["cpu"])
     from transformers import AutoModelForCausalLM
@@ -55,7 +56,7 @@ def main() -> None:
     AutoModelForCausalLM.from_config(rb.hf_config(a)).save_pretrained(folder)
     model, _ = rb.load_hf_folder(folder, rb.MilesPlugins().registries.model_families)
     model.use_kernels(rb.Kernels(rb.MilesPlugins(), "cpu"))
-    cfg = rb.EngineConfig(max_num_seqs=args.batch, max_model_len=a.prompt_len + a.new_tokens + 16, max_batched_tokens=16384,
+    cfg = rb.EngineConfig(max_num_seqs=args.batch, max_model_len=a.prompt_len + a.new_tokens + 16, max_batched_tokens=args.max_batched_tokens,
                           cpu_kernels=args.cpu_kernels)
     core = rb.EngineCore(model, cfg)
 

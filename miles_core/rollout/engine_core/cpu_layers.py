@@ -28,6 +28,8 @@ from miles_core.rollout.engine_core.cpu_native import NativeKernels
 # rows up to which native_layers runs cpu_native.c's GEMM instead of MKL's: measured at the quickstart shapes (hidden
 # 128, 2 cores, 2026-12-06), the C kernel took 0.6-0.8x MKL's time at 16 rows, 0.75-1.0x at 64, and 1.0-1.25x at 512
 GEMM_ROWS = 128
+# prefill rows per piece through all layers (cpu_layers.prefill): a piece's activations stay in cache between kernels
+PREFILL_ROWS = 512
 
 
 def mlp_residual(x: torch.Tensor, hn: torch.Tensor, mlp, gate_up, act, down_w, run, routed: list) -> torch.Tensor:
@@ -105,6 +107,25 @@ def buffers(nplan: list, rows: int, hidden: int) -> tuple:
     return torch.empty(rows, hidden), torch.empty(rows, inter), torch.empty(rows, nplan[0][2].shape[1])
 
 
+def pieces(q_lens: list[int], ctx: list[int], rows: int) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+    """The flat rows of a prefill (chunk ``b``: ``q_lens[b]`` rows ending at position ``ctx[b] - 1``) cut into pieces
+    of at most ``rows`` rows, in order, a chunk split where a piece ends: (first row, end row, [(chunk, rows in the
+    piece, the context after them)])."""
+    out, cur, r0, taken = [], [], 0, 0
+    for b, (q, c) in enumerate(zip(q_lens, ctx)):
+        done = 0
+        while done < q:
+            take = min(q - done, rows - taken)
+            done, taken = done + take, taken + take
+            cur.append((b, take, c - q + done))
+            if taken == rows:
+                out.append((r0, r0 + taken, cur))
+                cur, r0, taken = [], r0 + taken, 0
+    if cur:
+        out.append((r0, r0 + taken, cur))
+    return out
+
+
 @torch.inference_mode()
 def prefill(nat: NativeKernels, nplan: list, run, rope_tables: tuple, final_norm: tuple, head_w: torch.Tensor,
             input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, meta: AttnBatch,
@@ -112,24 +133,37 @@ def prefill(nat: NativeKernels, nplan: list, run, rope_tables: tuple, final_norm
     """:meth:`.runner.ModelRunner.prefill` through the kernels: ``input_ids``, ``positions``, ``slots`` [N]
     int64 (the flat rows of ``meta.num_seqs`` chunks, in order); ``rope_tables`` (cos, sin) [P, 1, D] by
     position (sin unsigned); ``final_norm`` (op, weight, eps); ``head_w`` lm_head^T. Returns (logits [M, V]
-    at ``logits_index`` or None, routing [N, L, k] or None)."""
+    at ``logits_index`` or None, routing [N, L, k] or None).
+
+    The rows go through all layers ``PREFILL_ROWS`` at a time (:func:`pieces`), each piece's K/V in the pages
+    before the next piece's attention reads them, so that a piece's activations stay in cache between the
+    kernels."""
     model, b = run.model, meta.num_seqs
     n, heads, d = input_ids.shape[0], model.config.num_heads, run.head_dim
     cos_t, sin_t = rope_tables
-    q_len = (meta.q_pos[:b] >= 0).sum(1)
-    q_start = q_len.cumsum(0) - q_len
-    tables, ctx = meta.block_tables[:b].long().contiguous(), meta.ctx_lens[:b].long().contiguous()
-    o_buf, scale = torch.empty(n, heads * d), d**-0.5
-
-    def attend(i: int, qkv: torch.Tensor, q_w, k_w, qk_eps: float) -> torch.Tensor:
-        kc, vc = run.kv[i, 0], run.kv[i, 1]
-        nat.prefill_rope(qkv, positions, cos_t, sin_t, q_w, k_w, qk_eps, kc, vc, slots, heads)
-        return nat.prefill_attn(qkv, kc, vc, tables, run.block_size, q_start, q_len, ctx, o_buf, heads, meta.max_ctx, scale)
-
-    routed: list = []
+    q_lens = (meta.q_pos[:b] >= 0).sum(1).tolist()
+    tables = meta.block_tables[:b].long()
+    ctx = meta.ctx_lens[:b].tolist()
     x = F.embedding(input_ids, model.model.embed_tokens.weight)
-    x = native_layers(nat, nplan, x, attend, buffers(nplan, n, x.shape[1]), run, routed, gemm_ok(nplan, n))
-    routes = torch.stack(routed, 1) if routed else None
+    rows = min(n, PREFILL_ROWS)
+    bufs, o_full, scale = buffers(nplan, rows, x.shape[1]), torch.empty(rows, heads * d), d**-0.5
+    routed: list = []
+    for r0, r1, part in pieces(q_lens, ctx, PREFILL_ROWS):
+        m = r1 - r0
+        seqs = torch.tensor([c for c, _, _ in part])
+        q_len, p_ctx = torch.tensor([q for _, q, _ in part]), torch.tensor([e for _, _, e in part])
+        p_tables, q_start, o_buf = tables.index_select(0, seqs), q_len.cumsum(0) - q_len, o_full[:m]
+        pos, slot = positions[r0:r1], slots[r0:r1]
+
+        def attend(i: int, qkv: torch.Tensor, q_w, k_w, qk_eps: float) -> torch.Tensor:
+            kc, vc = run.kv[i, 0], run.kv[i, 1]
+            nat.prefill_rope(qkv, pos, cos_t, sin_t, q_w, k_w, qk_eps, kc, vc, slot, heads)
+            return nat.prefill_attn(qkv, kc, vc, p_tables, run.block_size, q_start, q_len, p_ctx, o_buf, heads, max(ctx), scale)
+
+        piece: list = []
+        x[r0:r1] = native_layers(nat, nplan, x[r0:r1], attend, tuple(t[:m] for t in bufs), run, piece, gemm_ok(nplan, m))
+        routed.append(piece)
+    routes = torch.cat([torch.stack(p, 1) for p in routed]) if routed[0] else None
     if not logits_index.numel():
         return None, routes
     last = x.index_select(0, logits_index)
