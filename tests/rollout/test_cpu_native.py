@@ -287,7 +287,11 @@ def test_whole_step_equals_the_per_call_layers(nat, family, tmp_path):
         k_l, v_l = keys.clone().unbind(0), values.clone().unbind(0)
         bufs, o_buf, x = cpu_layers.buffers(nplan, b, hidden), torch.empty(b, heads * d), x0.clone()
         if whole:
-            nat.decode_step(x, *cpu_layers.step_args(nplan, k_l, v_l), cos, sin, mask, col, d**-0.5, bufs, o_buf, heads, hk)
+            tok, embed = torch.arange(b), x0.clone()  # the embedding table: x0's rows
+            fn = dec._window_statics()[2]
+            xn = nat.decode_step(tok, embed, x, *cpu_layers.step_args(nplan, k_l, v_l), fn[1:], torch.empty(b, hidden), cos,
+                                 sin, mask, col, d**-0.5, bufs, o_buf, heads, hk)
+            assert torch.equal(xn, nat.rmsnorm(x, fn[1], fn[2], torch.empty(b, hidden)))
         else:
             def attend(i, qkv, q_w, k_w, eps):
                 return nat.attn_step(qkv, cos, sin, q_w, k_w, eps, k_l[i], v_l[i], mask, o_buf, heads, col, d**-0.5)

@@ -289,7 +289,8 @@ class CpuDecoder:
             bufs, o_buf = cpu_layers.buffers(nplan, b, embed.shape[1]), torch.empty(b, nq)
             own_gemm = cpu_layers.gemm_ok(nplan, b)
             # the whole step in one call (cpu_native.c's miles_decode_step) where every layer is a dense SwiGLU one
-            whole = cpu_layers.step_args(nplan, k_l, v_l) if own_gemm else None
+            whole = cpu_layers.step_args(nplan, k_l, v_l) if own_gemm and embed.is_contiguous() else None
+            x_buf, xn_buf = torch.empty(b, embed.shape[1]), torch.empty(b, embed.shape[1])
         else:  # per layer, views made once per window (indexing costs as much as a small op):
             whole = None
             # K [B*Hk, D, cap] and V [B*Hk, cap, D] for the batched matmuls
@@ -299,17 +300,18 @@ class CpuDecoder:
         tok = tokens
         for j, (c, s) in enumerate(zip(cos, sin)):
             routed = []
-            x = F.embedding(tok, embed)
-            if whole is not None:
-                nat.decode_step(x, *whole, c, s, mask2d, t0 + j, scale, bufs, o_buf, h, hk)
-                xn = nat.rmsnorm(x, fn[1], fn[2], bufs[0])
+            if whole is not None:  # embedding, layers and final norm in one call
+                xn = nat.decode_step(tok.contiguous(), embed, x_buf, *whole, fn[1:], xn_buf, c, s, mask2d, t0 + j, scale, bufs,
+                                     o_buf, h, hk)
             elif nplan is not None:
+                x = F.embedding(tok, embed)
                 def attend(i, qkv, q_w, k_w, qk_eps, c=c, s=s, col=t0 + j):  # column col gets the new K/V
                     return nat.attn_step(qkv, c, s, q_w, k_w, qk_eps, k_l[i], v_l[i], mask2d, o_buf, h, col, scale)
 
                 x = cpu_layers.native_layers(nat, nplan, x, attend, bufs, run, routed, own_gemm)
                 xn = nat.rmsnorm(x, fn[1], fn[2], bufs[0])
             else:
+                x = F.embedding(tok, embed)
                 end = t0 + j + 1
                 mask = self.mask.narrow(2, 0, end)  # the window's own columns t0..t0+j are 0 (in context)
                 k_col, v_col = kt.select(4, t0 + j), vw.select(3, t0 + j)  # [L, B, Hk, D]: this step's column

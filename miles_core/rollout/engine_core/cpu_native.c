@@ -11,7 +11,8 @@
  *                       in fp32, K/V read once per KV head for all R = H / Hk query heads of its group
  *   miles_gemm          x @ W^T for decode rows (register tiles of 6 rows x 64 columns), with the residual added
  *                       or SwiGLU applied in the epilogue
- *   miles_decode_step   every layer of one decode step in one OpenMP region (the kernels above, phase by phase)
+ *   miles_decode_step   one decode step's embedding, layers and final norm in one OpenMP region (the kernels
+ *                       above, phase by phase)
  *   miles_write_back    a decode window's new K/V columns into the paged cache
  *   miles_prefill_rope  a prefill layer's q/k norm and rotary, in place, and its K/V into the paged cache
  *   miles_prefill_attn  a prefill layer's causal attention over the pages, per (sequence, KV head)
@@ -464,12 +465,17 @@ void miles_write_back(const float *kb, const float *v, float *kv, const int64_t 
    ptrs[l * 10 ..]: input norm weight, q/k/v W^T [hidden, (H + 2 Hk) D], q-norm and k-norm weights (0: none), o_proj
    W^T [H D, hidden], post-attention norm weight, gate/up W^T [hidden, 2 I], down W^T [I, hidden], the window's keys
    [B, Hk, cap / 16, D, 16] and values [B, Hk, cap, D]; eps[l * 3 ..]: the two norms' eps and the q/k norms'.
-   Buffers: h [B, hidden], qkv [B, (H + 2 Hk) D], o [B, H D], a [B, I]. */
-void miles_decode_step(float *x, const int64_t *ptrs, const float *eps, int64_t L, const float *cos, const float *sin,
+   Buffers: h [B, hidden], qkv [B, (H + 2 Hk) D], o [B, H D], a [B, I]. The step's embeddings come from rows tok [B]
+   of the table embed [V, hidden]; after the layers the final norm (weight final_w) of x goes to xn [B, hidden]. */
+void miles_decode_step(const int64_t *tok, const float *embed, float *x, const int64_t *ptrs, const float *eps, int64_t L,
+                       const float *final_w, float final_eps, float *xn, const float *cos, const float *sin,
                        int64_t cs_stride, const float *mask, int64_t col, float scale, float *h, float *qkv, float *o,
                        float *a, int64_t B, int64_t hidden, int64_t H, int64_t Hk, int64_t D, int64_t inter, int64_t cap) {
   const int64_t nqkv = (H + 2 * Hk) * D;
 #pragma omp parallel
+  {
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < B; ++r) memcpy(x + r * hidden, embed + tok[r] * hidden, sizeof(float) * (size_t)hidden);
   for (int64_t l = 0; l < L; ++l) {
     const int64_t *p = ptrs + l * 10;
     const float *e = eps + l * 3;
@@ -482,5 +488,7 @@ void miles_decode_step(float *x, const int64_t *ptrs, const float *eps, int64_t 
     gemm_for(h, hidden, W(6), NULL, 0, a, B, hidden, 2 * inter, 1);
     gemm_for(a, inter, W(7), x, hidden, x, B, inter, hidden, 0);
 #undef W
+  }
+  rmsnorm_for(x, hidden, final_w, xn, B, hidden, final_eps);
   }
 }

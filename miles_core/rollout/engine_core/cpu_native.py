@@ -135,7 +135,7 @@ class NativeKernels:
         self._write_back = lib.miles_write_back
         self._write_back.argtypes = [p, p, p, p, i, i, i, i, i, i, i, i]
         self._step = lib.miles_decode_step
-        self._step.argtypes = [p, p, p, i, p, p, i, p, i, f, p, p, p, p, i, i, i, i, i, i, i]
+        self._step.argtypes = [p, p, p, p, p, i, p, f, p, p, p, i, p, i, f, p, p, p, p, i, i, i, i, i, i, i]
         for fn in (self._rmsnorm, self._silu_mul, self._attn, self._prefill_rope, self._prefill_attn, self._sample, self._gemm,
                    self._write_back, self._step):
             fn.restype = None
@@ -233,16 +233,19 @@ class NativeKernels:
         self._write_back(kb.data_ptr(), v.data_ptr(), kv.data_ptr(), slots.data_ptr(), nl, b, hk, d, nb * KEY_BLOCK,
                          kv.shape[2], t0, steps)
 
-    def decode_step(self, x: torch.Tensor, ptrs: torch.Tensor, eps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    mask: torch.Tensor, col: int, scale: float, bufs: tuple, o: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
-        """All layers of one decode step in one call, in place on x [B, hidden] (the embeddings in, the hidden states
-        before the final norm out): ``ptrs`` [L, 10] and ``eps`` [L, 3] from :func:`.cpu_layers.step_args`; cos, sin
-        [B, D] (row stride free), mask [B * Hk, cap], column ``col`` as :meth:`attn_step`; ``bufs`` = (norm [B,
-        hidden], SwiGLU [B, I], q/k/v [B, (H + 2 Hk) D]) and o [B, H D], contiguous."""
+    def decode_step(self, tok: torch.Tensor, embed: torch.Tensor, x: torch.Tensor, ptrs: torch.Tensor, eps: torch.Tensor,
+                    final_norm: tuple, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, col: int,
+                    scale: float, bufs: tuple, o: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+        """One decode step in one call: x [B, hidden] = rows ``tok`` [B] int64 of ``embed`` [V, hidden], then every
+        layer in place (``ptrs`` [L, 10] and ``eps`` [L, 3] from :func:`.cpu_layers.step_args`; cos, sin [B, D] (row
+        stride free), mask [B * Hk, cap], column ``col`` as :meth:`attn_step`), then ``xn`` [B, hidden] = the final
+        norm of x (``final_norm`` = (weight, eps)). ``bufs`` = (norm [B, hidden], SwiGLU [B, I], q/k/v [B, (H + 2 Hk)
+        D]) and o [B, H D]; every tensor contiguous. Returns xn."""
         h, a, qkv = bufs
         b, hidden = x.shape
         d = qkv.shape[1] // (heads + 2 * kv_heads)
-        self._step(x.data_ptr(), ptrs.data_ptr(), eps.data_ptr(), ptrs.shape[0], cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+        self._step(tok.data_ptr(), embed.data_ptr(), x.data_ptr(), ptrs.data_ptr(), eps.data_ptr(), ptrs.shape[0],
+                   final_norm[0].data_ptr(), final_norm[1], xn.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
                    mask.data_ptr(), col, scale, h.data_ptr(), qkv.data_ptr(), o.data_ptr(), a.data_ptr(), b, hidden, heads,
                    kv_heads, d, a.shape[1], mask.shape[1])
-        return x
+        return xn
