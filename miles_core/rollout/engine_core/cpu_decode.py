@@ -183,7 +183,7 @@ class CpuDecoder:
         if not (len(key) == len(old) and all(a is b for a, b in zip(key, old))):
             d = run.head_dim
             rolled = all(layer.self_attn.rope is rope_torch for layer in layers)
-            cos_t, sin_t = model._rope(torch.arange(run.max_blocks * run.block_size), run.dtype)  # [P, 1, D]
+            cos_t, sin_t = (t.contiguous() for t in model._rope(torch.arange(run.max_blocks * run.block_size), run.dtype))  # [P, 1, D]
             sin_plain = sin_t
             if rolled:
                 sin_t = sin_t * torch.cat([-torch.ones(d // 2), torch.ones(d - d // 2)]).to(run.dtype)
@@ -266,16 +266,15 @@ class CpuDecoder:
             self._gather(pos0, block_tables, max(positions), remaining, k, blocked)
         self._ensure_room(k)
         t0, kt, vw = self.used, self.k, self.v
-        # the window's positions, rotary tables and page slots
-        wpos = pos0[:, None] + torch.arange(k)  # [B, K]
-        if nplan is not None:  # the fused kernels take each row's cos / sin [D] of the step's position
-            cos = cos_t[wpos].view(b, k, d).transpose(0, 1)  # [K, B, D]: step j's rows, row stride K * D
-            sin = sin_plain[wpos].view(b, k, d).transpose(0, 1)
-        else:
+        if nplan is not None:  # the kernels read the rotary tables at row pos0 + j and find the page slots themselves
+            pos0 = pos0.contiguous()
+            cos = sin = [None] * k
+        else:  # the window's positions, rotary tables and page slots
+            wpos = pos0[:, None] + torch.arange(k)  # [B, K]
             cos, sin = cos_t[wpos].transpose(1, 2), sin_t[wpos].transpose(1, 2)  # [B, 1, K, D]
             cos, sin = cos.split(1, 2), sin.split(1, 2)  # per step [B, 1, 1, D]
-        col = (wpos // p).clamp(max=block_tables.shape[1] - 1)
-        wslots = block_tables.gather(1, col).long() * p + wpos % p  # [B, K]
+            col = (wpos // p).clamp(max=block_tables.shape[1] - 1)
+            wslots = block_tables.gather(1, col).long() * p + wpos % p  # [B, K]
         fp32 = run.dtype == torch.float32  # else the softmax runs in fp32 (as the generic path's does)
 
         mc = model.config
@@ -301,12 +300,13 @@ class CpuDecoder:
         for j, (c, s) in enumerate(zip(cos, sin)):
             routed = []
             if whole is not None:  # embedding, layers and final norm in one call
-                xn = nat.decode_step(tok.contiguous(), embed, x_buf, *whole, fn[1:], xn_buf, c, s, mask2d, t0 + j, scale, bufs,
-                                     o_buf, h, hk)
+                xn = nat.decode_step(tok.contiguous(), embed, x_buf, *whole, fn[1:], xn_buf, cos_t, sin_plain, pos0, j, mask2d,
+                                     t0 + j, scale, bufs, o_buf, h, hk)
             elif nplan is not None:
                 x = F.embedding(tok, embed)
-                def attend(i, qkv, q_w, k_w, qk_eps, c=c, s=s, col=t0 + j):  # column col gets the new K/V
-                    return nat.attn_step(qkv, c, s, q_w, k_w, qk_eps, k_l[i], v_l[i], mask2d, o_buf, h, col, scale)
+                def attend(i, qkv, q_w, k_w, qk_eps, j=j):  # column t0 + j gets the new K/V
+                    return nat.attn_step(qkv, cos_t, sin_plain, q_w, k_w, qk_eps, k_l[i], v_l[i], mask2d, o_buf, h, t0 + j, scale,
+                                         pos0, j)
 
                 x = cpu_layers.native_layers(nat, nplan, x, attend, bufs, run, routed, own_gemm)
                 xn = nat.rmsnorm(x, fn[1], fn[2], bufs[0])
@@ -341,10 +341,10 @@ class CpuDecoder:
             if routed:
                 routes.append(torch.stack(routed, 1))
         # the window's new K/V into the paged cache: [L, B, Hk, .., K, ..] -> [L, B*K, Hk, D] at slots [B*K]
-        nl, flat = run.num_layers, wslots.flatten()
         if self.blocked:  # one C call copies the columns t0 .. t0+k-1 of every layer, row and KV head
-            self._native.write_back(kt, vw, run.kv, flat, t0, k)
+            self._native.write_back(kt, vw, run.kv, block_tables.contiguous(), p, pos0, t0, k)
         else:
+            nl, flat = run.num_layers, wslots.flatten()
             keys = kt[..., t0 : t0 + k].permute(0, 1, 4, 2, 3)
             run.kv[:, 0].index_copy_(1, flat, keys.reshape(nl, b * k, hk, d))
             run.kv[:, 1].index_copy_(1, flat, vw[..., t0 : t0 + k, :].transpose(2, 3).reshape(nl, b * k, hk, d))

@@ -226,18 +226,20 @@ static void attend(const float *q, const float *kb, const float *v, const float 
 
 /* One layer's attention for one decode step of B rows.
    qkv [B, qkv_stride]: q heads (H * D), k heads (Hk * D), v heads (Hk * D) of each row (q and k before norm and
-   rotary); cos, sin [B, cs_stride] (the row's position); q_w, k_w: per-head RMSNorm weights [D] or NULL;
+   rotary); cos, sin: row b's at cos + b * cs_stride, or with pos (int64 [B]) the table row pos[b] + pos_off;
+   q_w, k_w: per-head RMSNorm weights [D] or NULL;
    kb [B, Hk, cap / 16, D, 16], v [B, Hk, cap, D]: the window buffer, column col gets the new K/V;
    mask [B * Hk, cap]; out [B, H * D]. Attends over columns [0, col]. */
 static void attn_step_for(const float *qkv, int64_t qkv_stride, const float *cos, const float *sin, int64_t cs_stride,
-                          const float *q_w, const float *k_w, float qk_eps, float *kb, float *v, const float *mask,
+                          const int64_t *pos, int64_t pos_off, const float *q_w, const float *k_w, float qk_eps, float *kb, float *v, const float *mask,
                           float *out, int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t cap, int64_t col, float scale) {
   const int64_t R = H / Hk, n = col + 1, ns = (n + 15) & ~(int64_t)15;
   float *s = malloc(sizeof(float) * (size_t)(R * ns + H * D + D)); /* this thread's scratch */
   if (!s) abort(); /* a few KB: never silently skip rows */
 #pragma omp for schedule(static)
   for (int64_t b = 0; b < B; ++b) {
-    const float *row = qkv + b * qkv_stride, *c = cos + b * cs_stride, *sn = sin + b * cs_stride;
+    const int64_t cr = pos ? pos[b] + pos_off : b;
+    const float *row = qkv + b * qkv_stride, *c = cos + cr * cs_stride, *sn = sin + cr * cs_stride;
     float *q = s + R * ns, *kk = q + H * D;
     for (int64_t h = 0; h < H; ++h) {
       if (q_w) rmsnorm_row(row + h * D, q_w, q + h * D, D, qk_eps);
@@ -260,10 +262,11 @@ static void attn_step_for(const float *qkv, int64_t qkv_stride, const float *cos
 }
 
 void miles_attn_step(const float *qkv, int64_t qkv_stride, const float *cos, const float *sin, int64_t cs_stride,
-                     const float *q_w, const float *k_w, float qk_eps, float *kb, float *v, const float *mask, float *out,
+                     const int64_t *pos, int64_t pos_off, const float *q_w, const float *k_w, float qk_eps, float *kb, float *v, const float *mask, float *out,
                      int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t cap, int64_t col, float scale) {
 #pragma omp parallel if (B * Hk * (col + 1) * D >= 32768)
-  attn_step_for(qkv, qkv_stride, cos, sin, cs_stride, q_w, k_w, qk_eps, kb, v, mask, out, B, H, Hk, D, cap, col, scale);
+  attn_step_for(qkv, qkv_stride, cos, sin, cs_stride, pos, pos_off, q_w, k_w, qk_eps, kb, v, mask, out, B, H, Hk, D, cap, col,
+                scale);
 }
 
 /* ---------------------------------------------------------------- prefill */
@@ -437,16 +440,19 @@ void miles_gemm(const float *x, int64_t ldx, const float *wt, const float *add, 
 
 /* ---------------------------------------------------------------- the window's K/V into the pages */
 /* After a decode window of K steps: columns t0 .. t0 + K - 1 of the window buffer, kb [L, B, Hk, cap / 16, D, 16]
-   and v [L, B, Hk, cap, D], into the paged cache kv [L, 2, S, Hk, D]: step j of row b at slot slots[b * K + j]. */
-void miles_write_back(const float *kb, const float *v, float *kv, const int64_t *slots, int64_t L, int64_t B, int64_t Hk,
-                      int64_t D, int64_t cap, int64_t S, int64_t t0, int64_t K) {
+   and v [L, B, Hk, cap, D], into the paged cache kv [L, 2, S, Hk, D]: row b's step j (position t = pos0[b] + j) at
+   slot tables[b, min(t / P, W - 1)] * P + t % P (tables int32 [B, W], pages of P slots). */
+void miles_write_back(const float *kb, const float *v, float *kv, const int32_t *tables, int64_t W, int64_t P,
+                      const int64_t *pos0, int64_t L, int64_t B, int64_t Hk, int64_t D, int64_t cap, int64_t S, int64_t t0,
+                      int64_t K) {
   for (int64_t l = 0; l < L; ++l)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t g = 0; g < Hk; ++g) {
         const int64_t head = (l * B + b) * Hk + g;
         const float *kh = kb + head * cap * D, *vh = v + head * cap * D;
         for (int64_t j = 0; j < K; ++j) {
-          const int64_t t = t0 + j, slot = slots[b * K + j];
+          const int64_t t = t0 + j, p = pos0[b] + j, page = p / P < W - 1 ? p / P : W - 1;
+          const int64_t slot = (int64_t)tables[b * W + page] * P + p % P;
           float *kd = kv + ((l * 2 * S + slot) * Hk + g) * D, *vd = kd + S * Hk * D;
           const float *src = kh + (t / 16) * 16 * D + t % 16;
           for (int64_t d = 0; d < D; ++d) kd[d] = src[d * 16];
@@ -454,7 +460,6 @@ void miles_write_back(const float *kb, const float *v, float *kv, const int64_t 
         }
       }
 }
-
 
 /* ---------------------------------------------------------------- a whole decode step */
 /* The layers of one decode step of B rows in one parallel region: per layer RMSNorm, the q/k/v GEMM, the attention
@@ -469,7 +474,7 @@ void miles_write_back(const float *kb, const float *v, float *kv, const int64_t 
    of the table embed [V, hidden]; after the layers the final norm (weight final_w) of x goes to xn [B, hidden]. */
 void miles_decode_step(const int64_t *tok, const float *embed, float *x, const int64_t *ptrs, const float *eps, int64_t L,
                        const float *final_w, float final_eps, float *xn, const float *cos, const float *sin,
-                       int64_t cs_stride, const float *mask, int64_t col, float scale, float *h, float *qkv, float *o,
+                       int64_t cs_stride, const int64_t *pos, int64_t pos_off, const float *mask, int64_t col, float scale, float *h, float *qkv, float *o,
                        float *a, int64_t B, int64_t hidden, int64_t H, int64_t Hk, int64_t D, int64_t inter, int64_t cap) {
   const int64_t nqkv = (H + 2 * Hk) * D;
 #pragma omp parallel
@@ -482,7 +487,7 @@ void miles_decode_step(const int64_t *tok, const float *embed, float *x, const i
 #define W(i) ((float *)(intptr_t)p[i])
     rmsnorm_for(x, hidden, W(0), h, B, hidden, e[0]);
     gemm_for(h, hidden, W(1), NULL, 0, qkv, B, hidden, nqkv, 0);
-    attn_step_for(qkv, nqkv, cos, sin, cs_stride, W(2), W(3), e[2], W(8), W(9), mask, o, B, H, Hk, D, cap, col, scale);
+    attn_step_for(qkv, nqkv, cos, sin, cs_stride, pos, pos_off, W(2), W(3), e[2], W(8), W(9), mask, o, B, H, Hk, D, cap, col, scale);
     gemm_for(o, H * D, W(4), x, hidden, x, B, H * D, hidden, 0);
     rmsnorm_for(x, hidden, W(5), h, B, hidden, e[1]);
     gemm_for(h, hidden, W(6), NULL, 0, a, B, hidden, 2 * inter, 1);
