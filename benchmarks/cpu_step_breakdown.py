@@ -1,12 +1,14 @@
 """Where a CPU decode step's time goes: the built-in engine on ``rollout_bench.py``'s CPU model (quickstart size,
-fp32, 128-token prompts, 256 new tokens, greedy), with wall-clock timers around each call of its decode window.
+fp32, 128-token prompts, 256 new tokens, greedy), with wall-clock timers around each call of its decode window
+and of its prefill.
 
-The timers wrap, from outside, the names the window calls (``torch.mm`` / ``torch.addmm`` as ``cpu_decode`` sees
-them, the fused kernels' methods, the sampler), so the engine's code runs as it is; each timer adds ~0.2 µs per
-call. Prints microseconds per decode step, per call kind, averaged over ``--runs`` timed runs (each after a
-warm-up run, as rollout_bench does)::
+The timers wrap, from outside, the names the engine calls (``torch.mm`` / ``torch.addmm`` as ``cpu_decode`` and
+``cpu_layers`` see them, the C kernels' methods, the sampler, ``EngineCore._prefill``), so the engine's code runs
+as it is; each timer adds ~0.2 µs per call. Prints microseconds per decode step, per phase (window, prefill: the
+prefill's time spread over the decode steps, as a run pays it) and call kind, averaged over ``--runs`` timed runs
+(each after a warm-up run, as rollout_bench does)::
 
-    python benchmarks/cpu_step_breakdown.py --batch 64 [--cpu-kernels torch]
+    python benchmarks/cpu_step_breakdown.py --batch 64 [--cpu-kernels torch] [--max-batched-tokens N]
 """
 
 from __future__ import annotations

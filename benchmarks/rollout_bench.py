@@ -21,7 +21,7 @@ With ``--samples-per-prompt n`` (the quickstart preset: 8) a batch of B sequence
 each: the engine's ``add_request(n=n)`` (the samples share the prompt's KV), HF's ``num_return_sequences=n``.
 On a shared machine the load moves both sides run to run: ``--repeats R`` alternates engine and HF R times per
 batch and reports the median tok/s of each and the median of the R per-pair speedups. ``--cpu-kernels torch``
-runs the CPU decode window without its fused C kernels (cpu_native.c). If env OUT is set, the table is also written to $OUT/rollout_bench.json.
+runs the engine on CPU without its C kernels (cpu_native.c: prefill, decode window, sampling). If env OUT is set, the table is also written to $OUT/rollout_bench.json.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def main() -> None:
     ap.add_argument("--no-overlap", action="store_true", help="engine: read each decode window before launching the next")
     ap.add_argument("--no-graph-sampling", action="store_true", help="engine: sample outside the decode step's CUDA graph")
     ap.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="auto",
-                    help="engine on CPU: the decode window's fused C kernels (cpu_native.c) or torch ops")
+                    help="engine on CPU: the C kernels of cpu_native.c (prefill, decode window, sampling) or torch ops")
     ap.add_argument("--no-fused-attention", action="store_true", help="engine: the q/k/v prologue as its own kernel, not inside decode attention")
     ap.add_argument("--attention", default=None, help="engine: the paged decode kernel's launch, BLOCK_N,WARPS "
                     "(default: triton_decode.BLOCK_N, NUM_WARPS)")
