@@ -1,18 +1,22 @@
-"""The model's layers on CPU through the fused fp32 kernels of :mod:`.cpu_native`: one decode step of the
-window (:mod:`.cpu_decode`) and a whole prefill.
+"""The model's layers on CPU through the fp32 kernels of :mod:`.cpu_native`: one decode step of the window
+(:mod:`.cpu_decode`) and a whole prefill.
 
-Each layer is four GEMMs (torch's, MKL; the o_proj and down GEMMs add the residual through ``addmm``) and
-C calls for the rest: RMSNorm; the attention with its prologue (q/k norm, rotary, K/V write); SwiGLU. A MoE
-layer's MLP runs through the layer's own routing and experts. The per-layer plan (weights, eps, which MLP)
-is :meth:`.cpu_decode.CpuDecoder._native_plan`'s.
+Each layer is RMSNorm, the q/k/v GEMM, the attention with its prologue (q/k norm, rotary, K/V write), the o_proj
+GEMM adding the residual, RMSNorm, the gate/up GEMM with SwiGLU, and the down GEMM adding the residual. Up to
+``GEMM_ROWS`` rows the GEMMs are cpu_native.c's (SwiGLU and the residual in their epilogues); above, MKL's
+(``torch.mm`` / ``addmm``) with a SwiGLU kernel. A MoE layer's MLP runs through the layer's own routing and
+experts. The per-layer plan (weights, eps, which MLP) is :meth:`.cpu_decode.CpuDecoder._native_plan`'s. A decode
+step of dense layers runs as one C call (``NativeKernels.decode_step``, arguments from :func:`step_args`);
+:func:`native_layers` is the same sequence call by call.
 
-Prefill (``prefill``): the chunks of a prefill step, fresh prompts or chunks with cached context before
-them (a shared prefix, a chunked long prompt), in one flat batch of ``N`` token rows. Per layer, the
-prologue kernel norms and rotates q and k in the q/k/v GEMM's output and writes K/V into the paged cache;
-the attention kernel then gives each (sequence, KV head) one thread, which packs that sequence's keys and
-values once from the pages into the decode layout and attends for each of its rows over positions up to
-the row's own (causal). Against the torch path (SDPA over a padded, gathered batch with a boolean mask,
-~20 torch ops per layer) it builds no mask, pads nothing and gathers each sequence's K/V once.
+Prefill (:func:`prefill`): the chunks of a prefill step, fresh prompts or chunks with cached context before
+them (a shared prefix, a chunked long prompt), in one flat batch of ``N`` token rows, taken ``PREFILL_ROWS``
+rows at a time through all layers. Per layer, the prologue kernel norms and rotates q and k in the q/k/v GEMM's
+output and writes K/V into the paged cache; the attention kernel then gives each (sequence, KV head) one
+thread, which packs that sequence's keys and values once from the pages into the decode layout and attends for
+each of its rows over positions up to the row's own (causal). Against the torch path (SDPA over a padded,
+gathered batch with a boolean mask, ~20 torch ops per layer) it builds no mask, pads nothing and gathers each
+sequence's K/V once.
 """
 
 from __future__ import annotations

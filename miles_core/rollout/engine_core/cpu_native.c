@@ -231,8 +231,9 @@ static void attend(const float *q, const float *kb, const float *v, const float 
    kb [B, Hk, cap / 16, D, 16], v [B, Hk, cap, D]: the window buffer, column col gets the new K/V;
    mask [B * Hk, cap]; out [B, H * D]. Attends over columns [0, col]. */
 static void attn_step_for(const float *qkv, int64_t qkv_stride, const float *cos, const float *sin, int64_t cs_stride,
-                          const int64_t *pos, int64_t pos_off, const float *q_w, const float *k_w, float qk_eps, float *kb, float *v, const float *mask,
-                          float *out, int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t cap, int64_t col, float scale) {
+                          const int64_t *pos, int64_t pos_off, const float *q_w, const float *k_w, float qk_eps, float *kb,
+                          float *v, const float *mask, float *out, int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t cap,
+                          int64_t col, float scale) {
   const int64_t R = H / Hk, n = col + 1, ns = (n + 15) & ~(int64_t)15;
   float *s = malloc(sizeof(float) * (size_t)(R * ns + H * D + D)); /* this thread's scratch */
   if (!s) abort(); /* a few KB: never silently skip rows */
@@ -262,8 +263,9 @@ static void attn_step_for(const float *qkv, int64_t qkv_stride, const float *cos
 }
 
 void miles_attn_step(const float *qkv, int64_t qkv_stride, const float *cos, const float *sin, int64_t cs_stride,
-                     const int64_t *pos, int64_t pos_off, const float *q_w, const float *k_w, float qk_eps, float *kb, float *v, const float *mask, float *out,
-                     int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t cap, int64_t col, float scale) {
+                     const int64_t *pos, int64_t pos_off, const float *q_w, const float *k_w, float qk_eps, float *kb,
+                     float *v, const float *mask, float *out, int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t cap,
+                     int64_t col, float scale) {
 #pragma omp parallel if (B * Hk * (col + 1) * D >= 32768)
   attn_step_for(qkv, qkv_stride, cos, sin, cs_stride, pos, pos_off, q_w, k_w, qk_eps, kb, v, mask, out, B, H, Hk, D, cap, col,
                 scale);
@@ -340,8 +342,8 @@ static inline uint32_t mix32(uint32_t x) {
    (row stride row_stride) with temperature[b] <= 0 takes argmax z, else argmax (z / T - log(-log u)) with u the row's
    counter-based uniforms (seed seeds[b], output position counters[b] + offset); logp[b] = log_softmax(z / T)[token]
    (T = 1 for greedy rows). Ties go to the lowest id, as torch's argmax. */
-void miles_sample(const float *logits, int64_t row_stride, const float *temperature, const int64_t *seeds, const int64_t *counters,
-                  int64_t offset, int64_t *tok, float *logp, int64_t B, int64_t V) {
+void miles_sample(const float *logits, int64_t row_stride, const float *temperature, const int64_t *seeds,
+                  const int64_t *counters, int64_t offset, int64_t *tok, float *logp, int64_t B, int64_t V) {
 #pragma omp parallel for schedule(static) if (B * V >= 262144)
   for (int64_t b = 0; b < B; ++b) {
     const float *z = logits + b * row_stride;
@@ -352,7 +354,8 @@ void miles_sample(const float *logits, int64_t row_stride, const float *temperat
       if (z[v] / t > mx) { mx = z[v] / t; best = v; }
     if (temperature[b] > 0.f) {
       const uint64_t seed = (uint64_t)seeds[b];
-      const uint32_t row = mix32(mix32((uint32_t)seed) ^ (uint32_t)(counters[b] + offset) ^ (uint32_t)(seed >> 32) * 0x1B873593u);
+      const uint32_t row =
+          mix32(mix32((uint32_t)seed) ^ (uint32_t)(counters[b] + offset) ^ (uint32_t)(seed >> 32) * 0x1B873593u);
       float top = -INFINITY;
       for (int64_t v = 0; v < V; ++v) {
         const uint32_t x = mix32(row + (uint32_t)v * 0x2545F49u);
@@ -392,7 +395,8 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *x, int6
 
 /* out = x @ wt (+ add), or with swiglu silu(x @ wt[:, :I]) * (x @ wt[:, I:]) for N = 2 I.
    x [M, K] (row stride ldx), wt = W^T [K, N] contiguous (the CPU layout runner.fuse keeps), add [M, N] (row stride
-   ld_add) or NULL, out [M, N] or [M, I] contiguous. N (I with swiglu) must be a multiple of 16. Column groups of 64
+   ld_add; it may be out itself: each element is read, then written, by the same thread) or NULL, out [M, N] or
+   [M, I] contiguous. N (I with swiglu) must be a multiple of 16. Column groups of 64
    (with swiglu 32 gate + the 32 matching up columns) are split over the threads, each running all row tiles of 6
    against its group, whose weights then stay in its cache. The sums run over k in order: rounding differs from
    MKL's blocked sums. */
@@ -474,26 +478,28 @@ void miles_write_back(const float *kb, const float *v, float *kv, const int32_t 
    of the table embed [V, hidden]; after the layers the final norm (weight final_w) of x goes to xn [B, hidden]. */
 void miles_decode_step(const int64_t *tok, const float *embed, float *x, const int64_t *ptrs, const float *eps, int64_t L,
                        const float *final_w, float final_eps, float *xn, const float *cos, const float *sin,
-                       int64_t cs_stride, const int64_t *pos, int64_t pos_off, const float *mask, int64_t col, float scale, float *h, float *qkv, float *o,
-                       float *a, int64_t B, int64_t hidden, int64_t H, int64_t Hk, int64_t D, int64_t inter, int64_t cap) {
+                       int64_t cs_stride, const int64_t *pos, int64_t pos_off, const float *mask, int64_t col, float scale,
+                       float *h, float *qkv, float *o, float *a, int64_t B, int64_t hidden, int64_t H, int64_t Hk, int64_t D,
+                       int64_t inter, int64_t cap) {
   const int64_t nqkv = (H + 2 * Hk) * D;
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
-  for (int64_t r = 0; r < B; ++r) memcpy(x + r * hidden, embed + tok[r] * hidden, sizeof(float) * (size_t)hidden);
-  for (int64_t l = 0; l < L; ++l) {
-    const int64_t *p = ptrs + l * 10;
-    const float *e = eps + l * 3;
+    for (int64_t r = 0; r < B; ++r) memcpy(x + r * hidden, embed + tok[r] * hidden, sizeof(float) * (size_t)hidden);
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t *p = ptrs + l * 10;
+      const float *e = eps + l * 3;
 #define W(i) ((float *)(intptr_t)p[i])
-    rmsnorm_for(x, hidden, W(0), h, B, hidden, e[0]);
-    gemm_for(h, hidden, W(1), NULL, 0, qkv, B, hidden, nqkv, 0);
-    attn_step_for(qkv, nqkv, cos, sin, cs_stride, pos, pos_off, W(2), W(3), e[2], W(8), W(9), mask, o, B, H, Hk, D, cap, col, scale);
-    gemm_for(o, H * D, W(4), x, hidden, x, B, H * D, hidden, 0);
-    rmsnorm_for(x, hidden, W(5), h, B, hidden, e[1]);
-    gemm_for(h, hidden, W(6), NULL, 0, a, B, hidden, 2 * inter, 1);
-    gemm_for(a, inter, W(7), x, hidden, x, B, inter, hidden, 0);
+      rmsnorm_for(x, hidden, W(0), h, B, hidden, e[0]);
+      gemm_for(h, hidden, W(1), NULL, 0, qkv, B, hidden, nqkv, 0);
+      attn_step_for(qkv, nqkv, cos, sin, cs_stride, pos, pos_off, W(2), W(3), e[2], W(8), W(9), mask, o, B, H, Hk, D, cap,
+                    col, scale);
+      gemm_for(o, H * D, W(4), x, hidden, x, B, H * D, hidden, 0); /* the residual added in place */
+      rmsnorm_for(x, hidden, W(5), h, B, hidden, e[1]);
+      gemm_for(h, hidden, W(6), NULL, 0, a, B, hidden, 2 * inter, 1);
+      gemm_for(a, inter, W(7), x, hidden, x, B, inter, hidden, 0);
 #undef W
-  }
-  rmsnorm_for(x, hidden, final_w, xn, B, hidden, final_eps);
+    }
+    rmsnorm_for(x, hidden, final_w, xn, B, hidden, final_eps);
   }
 }
