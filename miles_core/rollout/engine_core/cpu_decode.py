@@ -118,20 +118,19 @@ class CpuDecoder:
         run, p = self.runner, self.runner.block_size
         b, hk, d, nl = pos0.shape[0], run.kv_heads, run.head_dim, run.num_layers
         t0 = max(p, -(-max_pos // p) * p)
-        old = run.kv.index_select(2, gather_slots(block_tables, t0, p).flatten())  # [L, 2, B*T0, Hk, D]
-        old = old.view(nl, 2, b, t0, hk, d)
         cap = t0 + max(steps, min(remaining, run.kv.shape[2] // b - t0)) + steps
-        if blocked:
-            kb = KEY_BLOCK
-            cap, t16 = -(-cap // kb) * kb, -(-t0 // kb) * kb
-            self.k = torch.empty(nl, b, hk, cap // kb, d, kb, dtype=run.dtype)
-            keys = F.pad(old[:, 0], (0, 0, 0, 0, 0, t16 - t0))  # [L, B, T16, Hk, D]
-            self.k[:, :, :, : t16 // kb].copy_(keys.view(nl, b, t16 // kb, kb, hk, d).permute(0, 1, 4, 2, 5, 3))
+        if blocked:  # the fused kernels' layout, filled by one C call (the kernels are loaded: blocked needs them)
+            cap = -(-cap // KEY_BLOCK) * KEY_BLOCK
+            self.k = torch.empty(nl, b, hk, cap // KEY_BLOCK, d, KEY_BLOCK, dtype=run.dtype)
+            self.v = torch.empty(nl, b, hk, cap, d, dtype=run.dtype)
+            self._native.gather(run.kv, block_tables.contiguous(), p, self.k, self.v, t0)
         else:
+            old = run.kv.index_select(2, gather_slots(block_tables, t0, p).flatten())  # [L, 2, B*T0, Hk, D]
+            old = old.view(nl, 2, b, t0, hk, d)
             self.k = torch.empty(nl, b, hk, d, cap, dtype=run.dtype)
             self.k[..., :t0].copy_(old[:, 0].permute(0, 1, 3, 4, 2))
-        self.v = torch.empty(nl, b, hk, cap, d, dtype=run.dtype)
-        self.v[..., :t0, :].copy_(old[:, 1].transpose(2, 3))
+            self.v = torch.empty(nl, b, hk, cap, d, dtype=run.dtype)
+            self.v[..., :t0, :].copy_(old[:, 1].transpose(2, 3))
         self.mask = torch.zeros(b * hk, 1, cap, dtype=run.dtype)  # one row per (row, KV head)
         pad = (torch.arange(t0)[None, :] >= pos0[:, None])[:, None, :].expand(b, hk, t0).reshape(b * hk, 1, t0)
         self.mask[..., :t0].masked_fill_(pad, float("-inf"))

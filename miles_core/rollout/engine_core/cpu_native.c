@@ -13,7 +13,7 @@
  *                       or SwiGLU applied in the epilogue
  *   miles_decode_step   one decode step's embedding, layers and final norm in one OpenMP region (the kernels
  *                       above, phase by phase)
- *   miles_write_back    a decode window's new K/V columns into the paged cache
+ *   miles_write_back    a decode window's new K/V columns into the paged cache; miles_gather the other way
  *   miles_prefill_rope  a prefill layer's q/k norm and rotary, in place, and its K/V into the paged cache
  *   miles_prefill_attn  a prefill layer's causal attention over the pages, per (sequence, KV head)
  *   miles_sample        greedy or Gumbel-max draw (sampler.py's counter-based uniforms) and the token's log-softmax
@@ -462,6 +462,30 @@ void miles_write_back(const float *kb, const float *v, float *kv, const int32_t 
           for (int64_t d = 0; d < D; ++d) kd[d] = src[d * 16];
           memcpy(vd, vh + t * D, sizeof(float) * (size_t)D);
         }
+      }
+}
+
+/* The other way, when a window buffer is made: its first t0 columns from the paged cache kv [L, 2, S, Hk, D], row b's
+   position t from slot tables[b, t / P] * P + t % P (tables int32 [B, W], W >= t0 / P); keys into kb [L, B, Hk,
+   cap / 16, D, 16] (the lanes of the last block past t0 set to 0), values into v [L, B, Hk, cap, D]. */
+void miles_gather(const float *kv, const int32_t *tables, int64_t W, int64_t P, float *kb, float *v, int64_t L, int64_t B,
+                  int64_t Hk, int64_t D, int64_t cap, int64_t S, int64_t t0) {
+  const int64_t t16 = (t0 + 15) & ~(int64_t)15;
+#pragma omp parallel for collapse(2) schedule(static) if (L * B * t0 * Hk * D >= 65536)
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t g = 0; g < Hk; ++g) {
+        const int64_t head = (l * B + b) * Hk + g;
+        float *kh = kb + head * cap * D, *vh = v + head * cap * D;
+        for (int64_t t = 0; t < t0; ++t) {
+          const int64_t slot = (int64_t)tables[b * W + t / P] * P + t % P;
+          const float *ks = kv + ((l * 2 * S + slot) * Hk + g) * D, *vs = ks + S * Hk * D;
+          float *blk = kh + (t / 16) * 16 * D + t % 16;
+          for (int64_t d = 0; d < D; ++d) blk[d * 16] = ks[d];
+          memcpy(vh + t * D, vs, sizeof(float) * (size_t)D);
+        }
+        for (int64_t t = t0; t < t16; ++t)
+          for (int64_t d = 0; d < D; ++d) kh[(t / 16) * 16 * D + d * 16 + t % 16] = 0.f;
       }
 }
 

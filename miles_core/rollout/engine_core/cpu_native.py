@@ -136,8 +136,10 @@ class NativeKernels:
         self._write_back.argtypes = [p, p, p, p, i, i, p, i, i, i, i, i, i, i, i]
         self._step = lib.miles_decode_step
         self._step.argtypes = [p, p, p, p, p, i, p, f, p, p, p, i, p, i, p, i, f, p, p, p, p, i, i, i, i, i, i, i]
+        self._gather = lib.miles_gather
+        self._gather.argtypes = [p, p, i, i, p, p, i, i, i, i, i, i, i]
         for fn in (self._rmsnorm, self._silu_mul, self._attn, self._prefill_rope, self._prefill_attn, self._sample, self._gemm,
-                   self._write_back, self._step):
+                   self._write_back, self._step, self._gather):
             fn.restype = None
 
     @classmethod
@@ -237,6 +239,15 @@ class NativeKernels:
         assert kv.is_contiguous() and tables.is_contiguous() and tables.dtype == torch.int32 and pos0.is_contiguous()
         self._write_back(kb.data_ptr(), v.data_ptr(), kv.data_ptr(), tables.data_ptr(), tables.shape[1], page, pos0.data_ptr(),
                          nl, b, hk, d, nb * KEY_BLOCK, kv.shape[2], t0, steps)
+
+    def gather(self, kv: torch.Tensor, tables: torch.Tensor, page: int, kb: torch.Tensor, v: torch.Tensor, t0: int) -> None:
+        """A new window buffer's first ``t0`` columns from the paged cache kv [L, 2, S, Hk, D]: row b's position t from
+        its page in ``tables`` [B, W] int32 (``page`` slots each); keys into kb [L, B, Hk, cap / 16, D, 16] (the
+        last block's lanes past t0 zeroed), values into v [L, B, Hk, cap, D]."""
+        nl, b, hk, nb, d, _ = kb.shape
+        assert kv.is_contiguous() and tables.is_contiguous() and tables.dtype == torch.int32 and tables.shape[1] * page >= t0
+        self._gather(kv.data_ptr(), tables.data_ptr(), tables.shape[1], page, kb.data_ptr(), v.data_ptr(), nl, b, hk, d,
+                     nb * KEY_BLOCK, kv.shape[2], t0)
 
     def decode_step(self, tok: torch.Tensor, embed: torch.Tensor, x: torch.Tensor, ptrs: torch.Tensor, eps: torch.Tensor,
                     final_norm: tuple, xn: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor, pos: torch.Tensor,
