@@ -115,7 +115,9 @@ def test_rows_that_finish_leave_the_buffer_without_a_gather(kernels):
     got = [core.add_request(p, params)[0] for p, params in script]
     while core.has_unfinished():
         core.step()
-    assert gathers == [4] and keeps == [3, 2, 1]  # one gather; the batch then shrank three times
+    # one gather; the batch then shrank three times: the torch layout selects the rows left, the kernels' layout
+    # (rows addressed by index) just leaves the finished rows where they are
+    assert gathers == [4] and keeps == ([3, 2, 1] if kernels == "torch" else [])
     ref = []
     for p, params in script:
         ref += run(model, False, [(p, params)])[0]
@@ -226,3 +228,35 @@ def test_window_with_a_non_reference_rope_op_and_in_bf16():
         same = next((i for i, (a, b) in enumerate(zip(g.output_ids, r.output_ids)) if a != b), 12)
         assert same >= 3, (g.output_ids, r.output_ids)  # not a different model: the first tokens agree
         assert torch.allclose(torch.tensor(g.logprobs[: same + 1]), torch.tensor(r.logprobs[: same + 1]), atol=0.1, rtol=0)
+
+
+def test_requests_joining_take_the_rows_of_finished_ones_without_a_gather():
+    """Kernels' layout, 2 rows at a time (max_num_seqs): as each request finishes the next waiting one is prefilled
+    and takes the finished one's buffer row (its context gathered into that row alone, its mask row reset), with
+    no new buffer gathered for the batch; tokens and logprobs as the generic path's."""
+    model = model_for("native", 1)
+    # the first joiner's prompt (10 tokens) is longer than the 2 of the row it takes, whose mask hid columns 2..15
+    script = [(P[3], SamplingParams(max_new_tokens=6, temperature=0.8, seed=1)),
+              (P[2], SamplingParams(max_new_tokens=25, temperature=0.8, seed=2)),
+              (P[0], SamplingParams(max_new_tokens=9, temperature=0, ignore_eos=True)),
+              (P[1], SamplingParams(max_new_tokens=12, temperature=0.9, seed=3)),
+              ([8, 1, 9], SamplingParams(max_new_tokens=7, temperature=0.7, seed=4))]
+
+    def serve(window: bool, spy: bool = False):
+        core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3, max_num_seqs=2, cpu_decode_window=window))
+        gathers, placed = [], []
+        if spy:
+            gather, nat = core._cpu._gather, core._cpu._lib()
+            core._cpu._gather = lambda *a: (gathers.append(a[0].shape[0]), gather(*a))[1]
+            into_rows = nat.gather
+            nat.gather = lambda kv, tables, page, slot, *a: (placed.append(slot.tolist()), into_rows(kv, tables, page, slot, *a))[1]
+        reqs = [core.add_request(p, params)[0] for p, params in script]
+        while core.has_unfinished():
+            core.step()
+        return reqs, gathers, placed
+
+    got, gathers, placed = serve(True, spy=True)
+    ref, _, _ = serve(False)
+    assert_same(got, ref)
+    assert gathers == [2]  # the first batch's buffer only
+    assert placed[0] == [0, 1] and len(placed) == 4 and all(len(s) == 1 for s in placed[1:])  # three joined a free row

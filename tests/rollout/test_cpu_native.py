@@ -279,6 +279,7 @@ def test_whole_step_equals_the_per_call_layers(nat, family, tmp_path):
     x0 = torch.randn(b, hidden, generator=g)
     cos, sin = torch.randn(12, d, generator=g), torch.randn(12, d, generator=g)  # tables: row pos + 2 is row b's
     pos = torch.tensor([7, 0, 3, 9, 4])
+    slot = torch.tensor([2, 0, 4, 1, 3])  # row b's K/V and mask in buffer row slot[b]
     keys = torch.randn(run.num_layers, b, hk, cap // 16, d, 16, generator=g)
     values = torch.randn(run.num_layers, b, hk, cap, d, generator=g)
     mask = torch.zeros(b * hk, cap)
@@ -291,12 +292,12 @@ def test_whole_step_equals_the_per_call_layers(nat, family, tmp_path):
             tok, embed = torch.arange(b), x0.clone()  # the embedding table: x0's rows
             fn = dec._window_statics()[2]
             xn = nat.decode_step(tok, embed, x, *cpu_layers.step_args(nplan, k_l, v_l), fn[1:], torch.empty(b, hidden), cos,
-                                 sin, pos, 2, mask, col, d**-0.5, bufs, o_buf, heads, hk)
+                                 sin, pos, 2, slot, mask, col, d**-0.5, bufs, o_buf, heads, hk)
             assert torch.equal(xn, nat.rmsnorm(x, fn[1], fn[2], torch.empty(b, hidden)))
         else:
             def attend(i, qkv, q_w, k_w, eps):
                 return nat.attn_step(qkv, cos[pos + 2], sin[pos + 2], q_w, k_w, eps, k_l[i], v_l[i], mask, o_buf, heads, col,
-                                     d**-0.5)
+                                     d**-0.5, slot=slot)
 
             x = cpu_layers.native_layers(nat, nplan, x, attend, bufs, run, [], True)
         outs.append((x, torch.stack(k_l), torch.stack(v_l)))

@@ -14,10 +14,14 @@ leaves each step only the model's own ops:
   gathered from the pages when the batch changes, sized for what the rows can still decode
   (prompt + max_new_tokens; at most the paged cache's slots per row, doubled when that is short),
   and kept for the next window while the same requests decode on (the common case: a batch of
-  rollouts);
-* the rotary tables and the page slots of the ``K`` new tokens are built once per window; after
-  its last step the new K/V go into the paged cache with one ``index_copy_`` (the pages stay the
-  truth: prefix sharing, preemption and the generic path read them).
+  rollouts). With the fused kernels, which take each row's buffer row as an index, a request that
+  finishes just leaves its row, and one that joins takes a free row with only its own context
+  gathered (``_place``); with the torch ops, the rows left are selected (``_keep_rows``) and a join
+  gathers the buffer again;
+* the rotary tables and the page slots of the ``K`` new tokens are built once per window (the fused
+  kernels look both up themselves); after its last step the new K/V go into the paged cache with one
+  ``index_copy_`` pair or one C call (the pages stay the truth: prefix sharing, preemption and the
+  generic path read them).
 
 Attention at step ``j``, row ``b``, head ``h`` (``g(h)`` its KV head), ``s = 1/sqrt(D)``::
 
@@ -123,7 +127,7 @@ class CpuDecoder:
             cap = -(-cap // KEY_BLOCK) * KEY_BLOCK
             self.k = torch.empty(nl, b, hk, cap // KEY_BLOCK, d, KEY_BLOCK, dtype=run.dtype)
             self.v = torch.empty(nl, b, hk, cap, d, dtype=run.dtype)
-            self._native.gather(run.kv, block_tables.contiguous(), p, self.k, self.v, t0)
+            self._native.gather(run.kv, block_tables.contiguous(), p, torch.arange(b), self.k, self.v, t0)
         else:
             old = run.kv.index_select(2, gather_slots(block_tables, t0, p).flatten())  # [L, 2, B*T0, Hk, D]
             old = old.view(nl, 2, b, t0, hk, d)
@@ -136,10 +140,41 @@ class CpuDecoder:
         self.mask[..., :t0].masked_fill_(pad, float("-inf"))
         self.used = t0
 
+    def _place(self, reqs: list, positions: list[int], block_tables: torch.Tensor) -> list[int] | None:
+        """With the fused kernels' layout, the buffer row of each request, which the kernels take as an index: a
+        request already in the buffer where it left off keeps its row; one new to it (just prefilled, or resumed)
+        takes a row that no request of ``reqs`` holds (one that has finished), its context gathered there from
+        the pages and its mask row set. None where that cannot be done (no buffer in this layout, fewer free rows
+        than new requests, or a new request's context longer than the buffer's filled columns): the caller then
+        gathers a new buffer. Rows that finish so cost no copy, and a request that joins costs only its own
+        context."""
+        if not self.blocked:
+            return None
+        where = {id(r): i for i, r in enumerate(self.rows) if r is not None}
+        slots = [where.get(id(r), -1) for r in reqs]
+        slots = [i if i >= 0 and self.next_pos[i] == n else -1 for i, n in zip(slots, positions)]
+        new = [j for j, i in enumerate(slots) if i < 0]
+        if not new:
+            return slots
+        free = sorted(set(range(len(self.rows))) - set(slots))
+        if len(free) < len(new) or max(positions[j] for j in new) > self.used:
+            return None
+        for j, i in zip(new, free):
+            slots[j] = i
+        run, hk = self.runner, self.runner.kv_heads
+        rows = torch.tensor(new)
+        self._native.gather(run.kv, block_tables.index_select(0, rows).contiguous(), run.block_size,
+                            torch.tensor([slots[j] for j in new]), self.k, self.v, max(positions[j] for j in new))
+        mask = self.mask.view(-1, hk, self.mask.shape[-1])
+        for j in new:  # context [0, pos), then masked up to the filled columns; the window's columns after them
+            mask[slots[j]] = 0.0
+            mask[slots[j], :, positions[j] : self.used] = float("-inf")
+        return slots
+
     def _keep_rows(self, reqs: list, positions: list[int]) -> bool:
-        """When ``reqs`` are some of the kept buffer's rows where they left off (others have finished:
-        the common change of a batch of rollouts), select their rows from the buffer -- contiguous
-        blocks, no gather from the pages -- and return True."""
+        """Torch ops' layout: when ``reqs`` are some of the kept buffer's rows where they left off (others
+        have finished: the common change of a batch of rollouts), select their rows from the buffer --
+        contiguous blocks, no gather from the pages -- and return True."""
         where = {id(r): i for i, r in enumerate(self.rows)}
         keep = [where.get(id(r), -1) for r in reqs]
         if not reqs or min(keep) < 0 or any(self.next_pos[i] != n for i, n in zip(keep, positions)):
@@ -259,10 +294,15 @@ class CpuDecoder:
         plan, (cos_t, sin_t, sin_plain), fn, head_w, nplan = self._window_statics()
         blocked = nplan is not None  # the fused kernels' key layout
         positions = [r.num_tokens - 1 for r in reqs]
-        same = len(reqs) == len(self.rows) and all(x is y for x, y in zip(reqs, self.rows)) and positions == self.next_pos
-        if self.blocked != blocked or not (same or self._keep_rows(reqs, positions)):
+        if blocked:
+            slots = self._place(reqs, positions, block_tables)
+        else:
+            same = len(reqs) == len(self.rows) and all(x is y for x, y in zip(reqs, self.rows)) and positions == self.next_pos
+            slots = list(range(b)) if not self.blocked and (same or self._keep_rows(reqs, positions)) else None
+        if slots is None:
             remaining = max(final_len(r, self.max_model_len) - n for r, n in zip(reqs, positions))
             self._gather(pos0, block_tables, max(positions), remaining, k, blocked)
+            slots = list(range(b))
         self._ensure_room(k)
         t0, kt, vw = self.used, self.k, self.v
         if nplan is not None:  # the kernels read the rotary tables at row pos0 + j and find the page slots themselves
@@ -283,7 +323,8 @@ class CpuDecoder:
         if nplan is not None:  # the kernels' output buffers ([B, hidden], [B, H D], [B, I]); per layer K, V
             # the kernels take raw pointers: every buffer they index must be contiguous
             assert kt.is_contiguous() and vw.is_contiguous() and self.mask.is_contiguous()
-            nat, mask2d, k_l, v_l = self._native, self.mask.view(b * hk, -1), kt.unbind(0), vw.unbind(0)
+            nat, mask2d, k_l, v_l = self._native, self.mask.view(-1, self.mask.shape[-1]), kt.unbind(0), vw.unbind(0)
+            slot_t = torch.tensor(slots)  # row b's K/V and mask: buffer row slots[b]
             bufs, o_buf = cpu_layers.buffers(nplan, b, embed.shape[1]), torch.empty(b, nq)
             own_gemm = cpu_layers.gemm_ok(nplan, b)
             # the whole step in one call (cpu_native.c's miles_decode_step) where every layer is a dense SwiGLU one
@@ -299,13 +340,13 @@ class CpuDecoder:
         for j, (c, s) in enumerate(zip(cos, sin)):
             routed = []
             if whole is not None:  # embedding, layers and final norm in one call
-                xn = nat.decode_step(tok.contiguous(), embed, x_buf, *whole, fn[1:], xn_buf, cos_t, sin_plain, pos0, j, mask2d,
-                                     t0 + j, scale, bufs, o_buf, h, hk)
+                xn = nat.decode_step(tok.contiguous(), embed, x_buf, *whole, fn[1:], xn_buf, cos_t, sin_plain, pos0, j, slot_t,
+                                     mask2d, t0 + j, scale, bufs, o_buf, h, hk)
             elif nplan is not None:
                 x = F.embedding(tok, embed)
                 def attend(i, qkv, q_w, k_w, qk_eps, j=j):  # column t0 + j gets the new K/V
                     return nat.attn_step(qkv, cos_t, sin_plain, q_w, k_w, qk_eps, k_l[i], v_l[i], mask2d, o_buf, h, t0 + j, scale,
-                                         pos0, j)
+                                         pos0, j, slot_t)
 
                 x = cpu_layers.native_layers(nat, nplan, x, attend, bufs, run, routed, own_gemm)
                 xn = nat.rmsnorm(x, fn[1], fn[2], bufs[0])
@@ -341,14 +382,19 @@ class CpuDecoder:
                 routes.append(torch.stack(routed, 1))
         # the window's new K/V into the paged cache: [L, B, Hk, .., K, ..] -> [L, B*K, Hk, D] at slots [B*K]
         if self.blocked:  # one C call copies the columns t0 .. t0+k-1 of every layer, row and KV head
-            self._native.write_back(kt, vw, run.kv, block_tables.contiguous(), p, pos0, t0, k)
+            self._native.write_back(kt, vw, run.kv, block_tables.contiguous(), p, pos0, slot_t, t0, k)
         else:
             nl, flat = run.num_layers, wslots.flatten()
             keys = kt[..., t0 : t0 + k].permute(0, 1, 4, 2, 3)
             run.kv[:, 0].index_copy_(1, flat, keys.reshape(nl, b * k, hk, d))
             run.kv[:, 1].index_copy_(1, flat, vw[..., t0 : t0 + k, :].transpose(2, 3).reshape(nl, b * k, hk, d))
         self.used = t0 + k  # mask columns past the old `used` are 0 already: these are now context
-        self.rows, self.next_pos = list(reqs), [x + k for x in positions]
+        if self.blocked:  # per buffer row: its request (None: free) and the position it decodes next
+            self.rows, self.next_pos = [None] * kt.shape[1], [0] * kt.shape[1]
+            for r, i, n in zip(reqs, slots, positions):
+                self.rows[i], self.next_pos[i] = r, n + k
+        else:
+            self.rows, self.next_pos = list(reqs), [x + k for x in positions]
         return WindowOut(torch.stack(toks, 1), torch.stack(lps, 1), tops, routes)
 
 

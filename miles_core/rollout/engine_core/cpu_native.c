@@ -227,19 +227,19 @@ static void attend(const float *q, const float *kb, const float *v, const float 
 /* One layer's attention for one decode step of B rows.
    qkv [B, qkv_stride]: q heads (H * D), k heads (Hk * D), v heads (Hk * D) of each row (q and k before norm and
    rotary); cos, sin: row b's at cos + b * cs_stride, or with pos (int64 [B]) the table row pos[b] + pos_off;
-   q_w, k_w: per-head RMSNorm weights [D] or NULL;
+   q_w, k_w: per-head RMSNorm weights [D] or NULL; slot (int64 [B]) or NULL: row b's buffer row (and mask row), else b;
    kb [B, Hk, cap / 16, D, 16], v [B, Hk, cap, D]: the window buffer, column col gets the new K/V;
    mask [B * Hk, cap]; out [B, H * D]. Attends over columns [0, col]. */
 static void attn_step_for(const float *qkv, int64_t qkv_stride, const float *cos, const float *sin, int64_t cs_stride,
-                          const int64_t *pos, int64_t pos_off, const float *q_w, const float *k_w, float qk_eps, float *kb,
-                          float *v, const float *mask, float *out, int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t cap,
-                          int64_t col, float scale) {
+                          const int64_t *pos, int64_t pos_off, const int64_t *slot, const float *q_w, const float *k_w,
+                          float qk_eps, float *kb, float *v, const float *mask, float *out, int64_t B, int64_t H, int64_t Hk,
+                          int64_t D, int64_t cap, int64_t col, float scale) {
   const int64_t R = H / Hk, n = col + 1, ns = (n + 15) & ~(int64_t)15;
   float *s = malloc(sizeof(float) * (size_t)(R * ns + H * D + D)); /* this thread's scratch */
   if (!s) abort(); /* a few KB: never silently skip rows */
 #pragma omp for schedule(static)
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t cr = pos ? pos[b] + pos_off : b;
+    const int64_t cr = pos ? pos[b] + pos_off : b, sb = slot ? slot[b] : b;
     const float *row = qkv + b * qkv_stride, *c = cos + cr * cs_stride, *sn = sin + cr * cs_stride;
     float *q = s + R * ns, *kk = q + H * D;
     for (int64_t h = 0; h < H; ++h) {
@@ -252,23 +252,23 @@ static void attn_step_for(const float *qkv, int64_t qkv_stride, const float *cos
       if (k_w) rmsnorm_row(kin, k_w, kk, D, qk_eps);
       else memcpy(kk, kin, sizeof(float) * (size_t)D);
       rope_head(kk, c, sn, D);
-      float *kbg = kb + (b * Hk + g) * cap * D, *vg = v + (b * Hk + g) * cap * D;
+      float *kbg = kb + (sb * Hk + g) * cap * D, *vg = v + (sb * Hk + g) * cap * D;
       float *kcol = kbg + (col / 16) * 16 * D + col % 16;
       for (int64_t d = 0; d < D; ++d) kcol[d * 16] = kk[d];
       memcpy(vg + col * D, vin, sizeof(float) * (size_t)D);
-      attend(q + g * R * D, kbg, vg, mask + (b * Hk + g) * cap, out + b * H * D + g * R * D, s, R, D, n, scale);
+      attend(q + g * R * D, kbg, vg, mask + (sb * Hk + g) * cap, out + b * H * D + g * R * D, s, R, D, n, scale);
     }
   }
   free(s);
 }
 
 void miles_attn_step(const float *qkv, int64_t qkv_stride, const float *cos, const float *sin, int64_t cs_stride,
-                     const int64_t *pos, int64_t pos_off, const float *q_w, const float *k_w, float qk_eps, float *kb,
-                     float *v, const float *mask, float *out, int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t cap,
-                     int64_t col, float scale) {
+                     const int64_t *pos, int64_t pos_off, const int64_t *slot, const float *q_w, const float *k_w,
+                     float qk_eps, float *kb, float *v, const float *mask, float *out, int64_t B, int64_t H, int64_t Hk,
+                     int64_t D, int64_t cap, int64_t col, float scale) {
 #pragma omp parallel if (B * Hk * (col + 1) * D >= 32768)
-  attn_step_for(qkv, qkv_stride, cos, sin, cs_stride, pos, pos_off, q_w, k_w, qk_eps, kb, v, mask, out, B, H, Hk, D, cap, col,
-                scale);
+  attn_step_for(qkv, qkv_stride, cos, sin, cs_stride, pos, pos_off, slot, q_w, k_w, qk_eps, kb, v, mask, out, B, H, Hk, D,
+                cap, col, scale);
 }
 
 /* ---------------------------------------------------------------- prefill */
@@ -443,21 +443,21 @@ void miles_gemm(const float *x, int64_t ldx, const float *wt, const float *add, 
 }
 
 /* ---------------------------------------------------------------- the window's K/V into the pages */
-/* After a decode window of K steps: columns t0 .. t0 + K - 1 of the window buffer, kb [L, B, Hk, cap / 16, D, 16]
-   and v [L, B, Hk, cap, D], into the paged cache kv [L, 2, S, Hk, D]: row b's step j (position t = pos0[b] + j) at
-   slot tables[b, min(t / P, W - 1)] * P + t % P (tables int32 [B, W], pages of P slots). */
+/* After a decode window of K steps: columns t0 .. t0 + K - 1 of the window buffer, kb [L, NS, Hk, cap / 16, D, 16]
+   and v [L, NS, Hk, cap, D] (NS buffer rows), into the paged cache kv [L, 2, S, Hk, D]: row b (buffer row slot[b]) step
+   j (position t = pos0[b] + j) at slot tables[b, min(t / P, W - 1)] * P + t % P (tables int32 [B, W], pages of P). */
 void miles_write_back(const float *kb, const float *v, float *kv, const int32_t *tables, int64_t W, int64_t P,
-                      const int64_t *pos0, int64_t L, int64_t B, int64_t Hk, int64_t D, int64_t cap, int64_t S, int64_t t0,
-                      int64_t K) {
+                      const int64_t *pos0, const int64_t *slot, int64_t L, int64_t B, int64_t NS, int64_t Hk, int64_t D,
+                      int64_t cap, int64_t S, int64_t t0, int64_t K) {
   for (int64_t l = 0; l < L; ++l)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t g = 0; g < Hk; ++g) {
-        const int64_t head = (l * B + b) * Hk + g;
+        const int64_t head = (l * NS + slot[b]) * Hk + g;
         const float *kh = kb + head * cap * D, *vh = v + head * cap * D;
         for (int64_t j = 0; j < K; ++j) {
           const int64_t t = t0 + j, p = pos0[b] + j, page = p / P < W - 1 ? p / P : W - 1;
-          const int64_t slot = (int64_t)tables[b * W + page] * P + p % P;
-          float *kd = kv + ((l * 2 * S + slot) * Hk + g) * D, *vd = kd + S * Hk * D;
+          const int64_t at = (int64_t)tables[b * W + page] * P + p % P;
+          float *kd = kv + ((l * 2 * S + at) * Hk + g) * D, *vd = kd + S * Hk * D;
           const float *src = kh + (t / 16) * 16 * D + t % 16;
           for (int64_t d = 0; d < D; ++d) kd[d] = src[d * 16];
           memcpy(vd, vh + t * D, sizeof(float) * (size_t)D);
@@ -465,27 +465,30 @@ void miles_write_back(const float *kb, const float *v, float *kv, const int32_t 
       }
 }
 
-/* The other way, when a window buffer is made: its first t0 columns from the paged cache kv [L, 2, S, Hk, D], row b's
-   position t from slot tables[b, t / P] * P + t % P (tables int32 [B, W], W >= t0 / P); keys into kb [L, B, Hk,
-   cap / 16, D, 16] (the lanes of the last block past t0 set to 0), values into v [L, B, Hk, cap, D]. */
-void miles_gather(const float *kv, const int32_t *tables, int64_t W, int64_t P, float *kb, float *v, int64_t L, int64_t B,
-                  int64_t Hk, int64_t D, int64_t cap, int64_t S, int64_t t0) {
+/* The other way, when rows enter a window buffer: row b's positions t < t0 from the paged cache kv [L, 2, S, Hk, D], at
+   slot tables[b, t / P] * P + t % P (tables int32 [B, W], W >= t0 / P), into buffer row slot[b] of kb [L, NS, Hk, cap / 16,
+   D, 16] and v [L, NS, Hk, cap, D]; the row's columns from t0 on are set to 0 (a buffer row's every column stays
+   finite: a masked column must add exact zeros, which NaN * 0 would not). */
+void miles_gather(const float *kv, const int32_t *tables, int64_t W, int64_t P, const int64_t *slot, float *kb, float *v,
+                  int64_t L, int64_t B, int64_t NS, int64_t Hk, int64_t D, int64_t cap, int64_t S, int64_t t0) {
   const int64_t t16 = (t0 + 15) & ~(int64_t)15;
-#pragma omp parallel for collapse(2) schedule(static) if (L * B * t0 * Hk * D >= 65536)
+#pragma omp parallel for collapse(2) schedule(static) if (L * B * cap * Hk * D >= 65536)
   for (int64_t l = 0; l < L; ++l)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t g = 0; g < Hk; ++g) {
-        const int64_t head = (l * B + b) * Hk + g;
+        const int64_t head = (l * NS + slot[b]) * Hk + g;
         float *kh = kb + head * cap * D, *vh = v + head * cap * D;
         for (int64_t t = 0; t < t0; ++t) {
-          const int64_t slot = (int64_t)tables[b * W + t / P] * P + t % P;
-          const float *ks = kv + ((l * 2 * S + slot) * Hk + g) * D, *vs = ks + S * Hk * D;
+          const int64_t at = (int64_t)tables[b * W + t / P] * P + t % P;
+          const float *ks = kv + ((l * 2 * S + at) * Hk + g) * D, *vs = ks + S * Hk * D;
           float *blk = kh + (t / 16) * 16 * D + t % 16;
           for (int64_t d = 0; d < D; ++d) blk[d * 16] = ks[d];
           memcpy(vh + t * D, vs, sizeof(float) * (size_t)D);
         }
         for (int64_t t = t0; t < t16; ++t)
           for (int64_t d = 0; d < D; ++d) kh[(t / 16) * 16 * D + d * 16 + t % 16] = 0.f;
+        memset(kh + t16 * D, 0, sizeof(float) * (size_t)((cap - t16) * D));
+        memset(vh + t0 * D, 0, sizeof(float) * (size_t)((cap - t0) * D));
       }
 }
 
@@ -497,12 +500,13 @@ void miles_gather(const float *kv, const int32_t *tables, int64_t W, int64_t P, 
    x [B, hidden] contiguous: in, the step's embeddings; out, the hidden states before the final norm. Per layer l,
    ptrs[l * 10 ..]: input norm weight, q/k/v W^T [hidden, (H + 2 Hk) D], q-norm and k-norm weights (0: none), o_proj
    W^T [H D, hidden], post-attention norm weight, gate/up W^T [hidden, 2 I], down W^T [I, hidden], the window's keys
-   [B, Hk, cap / 16, D, 16] and values [B, Hk, cap, D]; eps[l * 3 ..]: the two norms' eps and the q/k norms'.
+   [NS, Hk, cap / 16, D, 16] and values [NS, Hk, cap, D] (row b's in buffer row slot[b]); eps[l * 3 ..]: the two norms' eps and the q/k norms'.
    Buffers: h [B, hidden], qkv [B, (H + 2 Hk) D], o [B, H D], a [B, I]. The step's embeddings come from rows tok [B]
    of the table embed [V, hidden]; after the layers the final norm (weight final_w) of x goes to xn [B, hidden]. */
 void miles_decode_step(const int64_t *tok, const float *embed, float *x, const int64_t *ptrs, const float *eps, int64_t L,
                        const float *final_w, float final_eps, float *xn, const float *cos, const float *sin,
-                       int64_t cs_stride, const int64_t *pos, int64_t pos_off, const float *mask, int64_t col, float scale,
+                       int64_t cs_stride, const int64_t *pos, int64_t pos_off, const int64_t *slot, const float *mask,
+                       int64_t col, float scale,
                        float *h, float *qkv, float *o, float *a, int64_t B, int64_t hidden, int64_t H, int64_t Hk, int64_t D,
                        int64_t inter, int64_t cap) {
   const int64_t nqkv = (H + 2 * Hk) * D;
@@ -516,8 +520,8 @@ void miles_decode_step(const int64_t *tok, const float *embed, float *x, const i
 #define W(i) ((float *)(intptr_t)p[i])
       rmsnorm_for(x, hidden, W(0), h, B, hidden, e[0]);
       gemm_for(h, hidden, W(1), NULL, 0, qkv, B, hidden, nqkv, 0);
-      attn_step_for(qkv, nqkv, cos, sin, cs_stride, pos, pos_off, W(2), W(3), e[2], W(8), W(9), mask, o, B, H, Hk, D, cap,
-                    col, scale);
+      attn_step_for(qkv, nqkv, cos, sin, cs_stride, pos, pos_off, slot, W(2), W(3), e[2], W(8), W(9), mask, o, B, H, Hk, D,
+                    cap, col, scale);
       gemm_for(o, H * D, W(4), x, hidden, x, B, H * D, hidden, 0); /* the residual added in place */
       rmsnorm_for(x, hidden, W(5), h, B, hidden, e[1]);
       gemm_for(h, hidden, W(6), NULL, 0, a, B, hidden, 2 * inter, 1);

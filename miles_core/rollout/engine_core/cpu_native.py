@@ -123,7 +123,7 @@ class NativeKernels:
         self._silu_mul = lib.miles_silu_mul
         self._silu_mul.argtypes = [p, p, i, i]
         self._attn = lib.miles_attn_step
-        self._attn.argtypes = [p, i, p, p, i, p, i, p, p, f, p, p, p, p, i, i, i, i, i, i, f]
+        self._attn.argtypes = [p, i, p, p, i, p, i, p, p, p, f, p, p, p, p, i, i, i, i, i, i, f]
         self._prefill_rope = lib.miles_prefill_rope
         self._prefill_rope.argtypes = [p, i, p, p, p, p, p, f, p, p, p, i, i, i, i]
         self._prefill_attn = lib.miles_prefill_attn
@@ -133,11 +133,11 @@ class NativeKernels:
         self._gemm = lib.miles_gemm
         self._gemm.argtypes = [p, i, p, p, i, p, i, i, i, ctypes.c_int]
         self._write_back = lib.miles_write_back
-        self._write_back.argtypes = [p, p, p, p, i, i, p, i, i, i, i, i, i, i, i]
+        self._write_back.argtypes = [p, p, p, p, i, i, p, p, i, i, i, i, i, i, i, i, i]
         self._step = lib.miles_decode_step
-        self._step.argtypes = [p, p, p, p, p, i, p, f, p, p, p, i, p, i, p, i, f, p, p, p, p, i, i, i, i, i, i, i]
+        self._step.argtypes = [p, p, p, p, p, i, p, f, p, p, p, i, p, i, p, p, i, f, p, p, p, p, i, i, i, i, i, i, i]
         self._gather = lib.miles_gather
-        self._gather.argtypes = [p, p, i, i, p, p, i, i, i, i, i, i, i]
+        self._gather.argtypes = [p, p, i, i, p, p, p, i, i, i, i, i, i, i, i]
         for fn in (self._rmsnorm, self._silu_mul, self._attn, self._prefill_rope, self._prefill_attn, self._sample, self._gemm,
                    self._write_back, self._step, self._gather):
             fn.restype = None
@@ -171,15 +171,16 @@ class NativeKernels:
     def attn_step(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_w: torch.Tensor | None,
                   k_w: torch.Tensor | None, qk_eps: float, kb: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                   out: torch.Tensor, heads: int, col: int, scale: float, pos: torch.Tensor | None = None,
-                  pos_off: int = 0) -> torch.Tensor:
+                  pos_off: int = 0, slot: torch.Tensor | None = None) -> torch.Tensor:
         """One layer's decode attention: qkv [B, (H + 2 Hk) D] (row stride free); cos, sin [B, D] (row stride
         free), or with ``pos`` [B] int64 the tables [P, D] (contiguous) read at rows ``pos + pos_off``; q_w, k_w
-        [D] per-head RMSNorm weights or None; kb [B, Hk, cap / 16, D, 16] (K in blocks of 16 columns), v [B, Hk,
-        cap, D], mask [B * Hk, cap]; out [B, H D]. Writes the new K/V into column ``col`` and attends over columns
-        ``[0, col]``."""
-        b, hk, nb, d, _ = kb.shape
+        [D] per-head RMSNorm weights or None; kb [NS, Hk, cap / 16, D, 16] (K in blocks of 16 columns), v [NS, Hk,
+        cap, D], mask [NS * Hk, cap]: buffer row ``slot[b]`` ([B] int64) is row b's, or row b itself without ``slot``
+        (NS = B); out [B, H D]. Writes the new K/V into column ``col`` and attends over columns ``[0, col]``."""
+        b = qkv.shape[0]
+        _, hk, nb, d, _ = kb.shape
         self._attn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), d if pos is not None else cos.stride(0),
-                   _ptr(pos), pos_off, _ptr(q_w), _ptr(k_w), qk_eps, kb.data_ptr(), v.data_ptr(), mask.data_ptr(), out.data_ptr(),
+                   _ptr(pos), pos_off, _ptr(slot), _ptr(q_w), _ptr(k_w), qk_eps, kb.data_ptr(), v.data_ptr(), mask.data_ptr(), out.data_ptr(),
                    b, heads, hk, d, nb * KEY_BLOCK, col, scale)
         return out
 
@@ -230,33 +231,36 @@ class NativeKernels:
         return out
 
     def write_back(self, kb: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, page: int,
-                   pos0: torch.Tensor, t0: int, steps: int) -> None:
+                   pos0: torch.Tensor, slot: torch.Tensor, t0: int, steps: int) -> None:
         """A decode window's new K/V into the paged cache: columns ``t0 .. t0 + steps - 1`` of the window buffer, kb
-        [L, B, Hk, cap / 16, D, 16] and v [L, B, Hk, cap, D], into kv [L, 2, S, Hk, D]: row b's step j (position
-        ``pos0[b] + j``, pos0 [B] int64) on its page of ``tables`` [B, W] int32 (``page`` slots each; columns past
-        W - 1 clamp to the last, whose slots are padding)."""
-        nl, b, hk, nb, d, _ = kb.shape
+        [L, NS, Hk, cap / 16, D, 16] and v [L, NS, Hk, cap, D], into kv [L, 2, S, Hk, D]: row b (buffer row
+        ``slot[b]``) step j (position ``pos0[b] + j``) on its page of ``tables`` [B, W] int32 (``page`` slots each;
+        columns past W - 1 clamp to the last, whose slots are padding). pos0, slot [B] int64."""
+        nl, ns, hk, nb, d, _ = kb.shape
         assert kv.is_contiguous() and tables.is_contiguous() and tables.dtype == torch.int32 and pos0.is_contiguous()
+        assert slot.is_contiguous() and slot.dtype == torch.int64
         self._write_back(kb.data_ptr(), v.data_ptr(), kv.data_ptr(), tables.data_ptr(), tables.shape[1], page, pos0.data_ptr(),
-                         nl, b, hk, d, nb * KEY_BLOCK, kv.shape[2], t0, steps)
+                         slot.data_ptr(), nl, slot.shape[0], ns, hk, d, nb * KEY_BLOCK, kv.shape[2], t0, steps)
 
-    def gather(self, kv: torch.Tensor, tables: torch.Tensor, page: int, kb: torch.Tensor, v: torch.Tensor, t0: int) -> None:
-        """A new window buffer's first ``t0`` columns from the paged cache kv [L, 2, S, Hk, D]: row b's position t from
-        its page in ``tables`` [B, W] int32 (``page`` slots each); keys into kb [L, B, Hk, cap / 16, D, 16] (the
-        last block's lanes past t0 zeroed), values into v [L, B, Hk, cap, D]."""
-        nl, b, hk, nb, d, _ = kb.shape
+    def gather(self, kv: torch.Tensor, tables: torch.Tensor, page: int, slot: torch.Tensor, kb: torch.Tensor, v: torch.Tensor,
+               t0: int) -> None:
+        """Rows into a window buffer: row b's first ``t0`` positions from the paged cache kv [L, 2, S, Hk, D], on its
+        pages in ``tables`` [B, W] int32 (``page`` slots each), into buffer row ``slot[b]`` ([B] int64) of kb [L, NS,
+        Hk, cap / 16, D, 16] and v [L, NS, Hk, cap, D]; the row's later columns are zeroed."""
+        nl, ns, hk, nb, d, _ = kb.shape
         assert kv.is_contiguous() and tables.is_contiguous() and tables.dtype == torch.int32 and tables.shape[1] * page >= t0
-        self._gather(kv.data_ptr(), tables.data_ptr(), tables.shape[1], page, kb.data_ptr(), v.data_ptr(), nl, b, hk, d,
-                     nb * KEY_BLOCK, kv.shape[2], t0)
+        assert slot.is_contiguous() and slot.dtype == torch.int64 and kb.is_contiguous() and v.is_contiguous()
+        self._gather(kv.data_ptr(), tables.data_ptr(), tables.shape[1], page, slot.data_ptr(), kb.data_ptr(), v.data_ptr(), nl,
+                     slot.shape[0], ns, hk, d, nb * KEY_BLOCK, kv.shape[2], t0)
 
     def decode_step(self, tok: torch.Tensor, embed: torch.Tensor, x: torch.Tensor, ptrs: torch.Tensor, eps: torch.Tensor,
                     final_norm: tuple, xn: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor, pos: torch.Tensor,
-                    pos_off: int, mask: torch.Tensor, col: int, scale: float, bufs: tuple, o: torch.Tensor, heads: int,
-                    kv_heads: int) -> torch.Tensor:
+                    pos_off: int, slot: torch.Tensor, mask: torch.Tensor, col: int, scale: float, bufs: tuple, o: torch.Tensor,
+                    heads: int, kv_heads: int) -> torch.Tensor:
         """One decode step in one call: x [B, hidden] = rows ``tok`` [B] int64 of ``embed`` [V, hidden], then every
         layer in place (``ptrs`` [L, 10] and ``eps`` [L, 3] from :func:`.cpu_layers.step_args`; the rotary tables
-        cos_t, sin_t [P, D] read at rows ``pos + pos_off`` (pos [B] int64), mask [B * Hk, cap] and column ``col``
-        as :meth:`attn_step`), then ``xn`` [B, hidden] = the final norm of x (``final_norm`` = (weight, eps)).
+        cos_t, sin_t [P, D] read at rows ``pos + pos_off`` (pos [B] int64), row b's K/V and mask in buffer row
+        ``slot[b]`` ([B] int64), mask [NS * Hk, cap] and column ``col`` as :meth:`attn_step`), then ``xn`` [B, hidden] = the final norm of x (``final_norm`` = (weight, eps)).
         ``bufs`` = (norm [B, hidden], SwiGLU [B, I], q/k/v [B, (H + 2 Hk) D]) and o [B, H D]; every tensor
         contiguous. Returns xn."""
         h, a, qkv = bufs
@@ -264,6 +268,6 @@ class NativeKernels:
         d = qkv.shape[1] // (heads + 2 * kv_heads)
         self._step(tok.data_ptr(), embed.data_ptr(), x.data_ptr(), ptrs.data_ptr(), eps.data_ptr(), ptrs.shape[0],
                    final_norm[0].data_ptr(), final_norm[1], xn.data_ptr(), cos_t.data_ptr(), sin_t.data_ptr(), d, pos.data_ptr(),
-                   pos_off, mask.data_ptr(), col, scale, h.data_ptr(), qkv.data_ptr(), o.data_ptr(), a.data_ptr(), b, hidden,
+                   pos_off, slot.data_ptr(), mask.data_ptr(), col, scale, h.data_ptr(), qkv.data_ptr(), o.data_ptr(), a.data_ptr(), b, hidden,
                    heads, kv_heads, d, a.shape[1], mask.shape[1])
         return xn
