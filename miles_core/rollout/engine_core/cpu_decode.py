@@ -342,13 +342,12 @@ class CpuDecoder:
             if whole is not None:  # embedding, layers and final norm in one call
                 xn = nat.decode_step(tok.contiguous(), embed, x_buf, *whole, fn[1:], xn_buf, cos_t, sin_plain, pos0, j, slot_t,
                                      mask2d, t0 + j, scale, bufs, o_buf, h, hk)
-            elif nplan is not None:
-                x = F.embedding(tok, embed)
+            elif nplan is not None:  # the same kernels call by call (MoE layers, or more than GEMM_ROWS rows)
                 def attend(i, qkv, q_w, k_w, qk_eps, j=j):  # column t0 + j gets the new K/V
                     return nat.attn_step(qkv, cos_t, sin_plain, q_w, k_w, qk_eps, k_l[i], v_l[i], mask2d, o_buf, h, t0 + j, scale,
                                          pos0, j, slot_t)
 
-                x = cpu_layers.native_layers(nat, nplan, x, attend, bufs, run, routed, own_gemm)
+                x = cpu_layers.native_layers(nat, nplan, F.embedding(tok, embed), attend, bufs, run, routed, own_gemm)
                 xn = nat.rmsnorm(x, fn[1], fn[2], bufs[0])
             else:
                 x = F.embedding(tok, embed)
