@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,13 +34,7 @@ def main() -> None:
     ap.add_argument("--cpu-kernels", choices=rb.CPU_KERNELS, default="auto")
     args = ap.parse_args()
     a = argparse.Namespace(**rb.PRESETS["cpu"])
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    folder = Path(tempfile.mkdtemp(prefix="cpu-join-"))
-    AutoModelForCausalLM.from_config(rb.hf_config(a)).save_pretrained(folder)
-    model, _ = rb.load_hf_folder(folder, rb.MilesPlugins().registries.model_families)
-    model.use_kernels(rb.Kernels(rb.MilesPlugins(), "cpu"))
+    model = rb.cpu_model()
     core = rb.EngineCore(model, rb.EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=512, cpu_kernels=args.cpu_kernels))
 
     spent = [0.0, 0]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
@@ -51,13 +50,7 @@ def main() -> None:
     ap.add_argument("--max-batched-tokens", type=int, default=16384, help="prompt tokens per prefill step (rollout_bench.py: 16384)")
     args = ap.parse_args()
     a = argparse.Namespace(**rb.PRESETS["cpu"])
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    folder = Path(tempfile.mkdtemp(prefix="cpu-breakdown-"))
-    AutoModelForCausalLM.from_config(rb.hf_config(a)).save_pretrained(folder)
-    model, _ = rb.load_hf_folder(folder, rb.MilesPlugins().registries.model_families)
-    model.use_kernels(rb.Kernels(rb.MilesPlugins(), "cpu"))
+    model = rb.cpu_model()
     cfg = rb.EngineConfig(max_num_seqs=args.batch, max_model_len=a.prompt_len + a.new_tokens + 16, max_batched_tokens=args.max_batched_tokens,
                           cpu_kernels=args.cpu_kernels)
     core = rb.EngineCore(model, cfg)

@@ -78,6 +78,19 @@ def hf_config(a):
                max_position_embeddings=4096, bos_token_id=None, eos_token_id=None, pad_token_id=0)
 
 
+def cpu_model():
+    """The "cpu" preset's model with random weights (seed 0), written as an HF folder and loaded as the engine loads
+    one, with the CPU kernels of the platform (for the CPU scripts that run the engine alone)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    folder = Path(tempfile.mkdtemp(prefix="rollout-bench-cpu-"))
+    AutoModelForCausalLM.from_config(hf_config(argparse.Namespace(**PRESETS["cpu"]))).save_pretrained(folder)
+    model, _ = load_hf_folder(folder, MilesPlugins().registries.model_families)
+    model.use_kernels(Kernels(MilesPlugins(), "cpu"))
+    return model
+
+
 def sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

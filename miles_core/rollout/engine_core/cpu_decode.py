@@ -307,7 +307,6 @@ class CpuDecoder:
         t0, kt, vw = self.used, self.k, self.v
         if nplan is not None:  # the kernels read the rotary tables at row pos0 + j and find the page slots themselves
             pos0 = pos0.contiguous()
-            cos = sin = [None] * k
         else:  # the window's positions, rotary tables and page slots
             wpos = pos0[:, None] + torch.arange(k)  # [B, K]
             cos, sin = cos_t[wpos].transpose(1, 2), sin_t[wpos].transpose(1, 2)  # [B, 1, K, D]
@@ -337,7 +336,7 @@ class CpuDecoder:
             v_mm = [x.view(b * hk, -1, d) for x in vw.unbind(0)]
         toks, lps, tops, routes = [], [], [], []
         tok = tokens
-        for j, (c, s) in enumerate(zip(cos, sin)):
+        for j in range(k):
             routed = []
             if whole is not None:  # embedding, layers and final norm in one call
                 xn = nat.decode_step(tok.contiguous(), embed, x_buf, *whole, fn[1:], xn_buf, cos_t, sin_plain, pos0, j, slot_t,
@@ -350,7 +349,7 @@ class CpuDecoder:
                 x = cpu_layers.native_layers(nat, nplan, F.embedding(tok, embed), attend, bufs, run, routed, own_gemm)
                 xn = nat.rmsnorm(x, fn[1], fn[2], bufs[0])
             else:
-                x = F.embedding(tok, embed)
+                x, c, s = F.embedding(tok, embed), cos[j], sin[j]
                 end = t0 + j + 1
                 mask = self.mask.narrow(2, 0, end)  # the window's own columns t0..t0+j are 0 (in context)
                 k_col, v_col = kt.select(4, t0 + j), vw.select(3, t0 + j)  # [L, B, Hk, D]: this step's column
