@@ -306,6 +306,85 @@ def test_whole_step_equals_the_per_call_layers(nat, family, tmp_path):
     assert not torch.equal(outs[0][0], x0) and not torch.equal(outs[0][1], keys)  # the step did run
 
 
+@pytest.mark.parametrize("m,hidden,vocab", [(1, 32, 53), (13, 40, 1001), (64, 128, 53), (5, 576, 300)])
+def test_logits_match_torch(nat, m, hidden, vocab):
+    """The window's logits (four vocabulary rows at a time; hidden and vocabulary tails here) against torch.mm."""
+    g = torch.Generator().manual_seed(m + vocab)
+    x, head = torch.randn(m, hidden, generator=g), torch.randn(vocab, hidden, generator=g) / hidden**0.5
+    out = nat.logits(x, head, torch.full((m, vocab), float("nan")))
+    assert torch.allclose(out, x @ head.t(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_window_in_one_call_equals_its_steps(nat, family, tmp_path):
+    """miles_decode_window (each row group through every step on one thread, drawn inside) against the same window made
+    step by step with decode_step, logits and sample: the same tokens, logprobs and K/V buffer, bit for bit, for any
+    group size; greedy and sampled rows, rows in shuffled buffer rows."""
+    make_hf_model(family, tmp_path, head_dim=16)
+    core = EngineCore(load_miles(tmp_path), EngineConfig(block_size=4, cpu_kernels="native"))
+    dec, run = core._cpu, core.runner
+    _, _, fn, head_w, nplan = dec._window_statics()
+    head = head_w.t()
+    assert nplan is not None and cpu_layers.window_group(nplan, 13, head) > 0
+    g = torch.Generator().manual_seed(5)
+    b, steps, hk, d, cap, col = 13, 4, run.kv_heads, run.head_dim, 48, 21
+    heads, hidden = run.model.config.num_heads, run.model.config.hidden_size
+    embed = run.model.model.embed_tokens.weight
+    tok0 = torch.randint(0, embed.shape[0], (b,), generator=g)
+    cos, sin = torch.randn(40, d, generator=g), torch.randn(40, d, generator=g)
+    pos = torch.randint(0, 30, (b,), generator=g)
+    slot = torch.randperm(b, generator=g)
+    keys = torch.randn(run.num_layers, b, hk, cap // 16, d, 16, generator=g)
+    values = torch.randn(run.num_layers, b, hk, cap, d, generator=g)
+    mask = torch.zeros(b * hk, cap)
+    mask[1::3, :5] = float("-inf")
+    params = [SamplingParams(temperature=0.0 if i % 3 == 0 else 0.7 + 0.1 * (i % 5)) for i in range(b)]
+    st = SamplingTensors.build(params, torch.randint(0, 2**62, (b,), generator=g).tolist(), "cpu")
+    counters = torch.randint(0, 100, (b,), generator=g)
+    inter = cpu_layers.buffers(nplan, b, hidden)[1].shape[1]
+
+    k_l, v_l = keys.clone().unbind(0), values.clone().unbind(0)  # step by step
+    bufs, o_buf, x, xn = cpu_layers.buffers(nplan, b, hidden), torch.empty(b, heads * d), torch.empty(b, hidden), torch.empty(b, hidden)
+    args, tok, toks, lps = cpu_layers.step_args(nplan, k_l, v_l), tok0, [], []
+    for j in range(steps):
+        nat.decode_step(tok, embed, x, *args, fn[1:], xn, cos, sin, pos, j, slot, mask, col + j, d**-0.5, bufs, o_buf, heads, hk)
+        tok, lp = nat.sample(nat.logits(xn, head, torch.empty(b, head.shape[0])), st.temperature, st.seeds, counters, j)
+        toks.append(tok)
+        lps.append(lp)
+    ref = (torch.stack(toks, 1), torch.stack(lps, 1), torch.stack(k_l), torch.stack(v_l))
+    assert not torch.equal(ref[0][1::3], ref[0][1::3].roll(1, 1))  # the sampled rows drew different tokens over the steps
+    for group in (1, 4, 13):
+        k_l, v_l = keys.clone().unbind(0), values.clone().unbind(0)
+        out = nat.decode_window(tok0, embed, *cpu_layers.step_args(nplan, k_l, v_l), fn[1:], head, cos, sin, pos, slot, mask,
+                                col, d**-0.5, st.temperature, st.seeds, counters, steps, group, heads, hk, d, inter)
+        for a_, b_ in zip((*out, torch.stack(k_l), torch.stack(v_l)), ref):
+            assert torch.equal(a_, b_), group
+
+
+def test_engine_window_in_one_call_matches_step_by_step(nat, tmp_path):
+    """The engine with its windows in one call (the default where the weights are small and the draws are the C
+    sampler's) against the same engine step by step: the same tokens, logprobs within the lm_head's rounding."""
+    make_hf_model("llama", tmp_path, head_dim=16)
+    model = load_miles(tmp_path)
+    prompts = [[5, 17, 3, 44, 9, 21, 60, 2, 11], [7, 70, 33], list(range(1, 30)), [8, 8, 1]]
+    params = [SamplingParams(max_new_tokens=14, temperature=0), SamplingParams(max_new_tokens=20, temperature=0.9, seed=4),
+              SamplingParams(max_new_tokens=11, temperature=1.2, seed=7), SamplingParams(max_new_tokens=17, temperature=0)]
+    results, calls = {}, []
+    for one_call in (True, False):
+        core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3, cpu_kernels="native"))
+        core._cpu.whole_window = one_call
+        window = core._cpu._native.decode_window
+        core._cpu._native.decode_window = lambda *a, **k: calls.append(one_call) or window(*a, **k)
+        reqs = [r for p, sp in zip(prompts, params) for r in core.add_request(p, sp, n=2 if sp.temperature else 1)]
+        while core.has_unfinished():
+            core.step()
+        results[one_call] = reqs
+    assert calls and all(calls)  # the windows ran in one call, and only where asked
+    for a, b in zip(results[True], results[False]):
+        assert a.output_ids == b.output_ids and len(a.output_ids) == b.params.max_new_tokens
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
 def test_prefill_pieces_cut_the_rows_in_order():
     # chunks (q_len, ctx): 3 fresh rows, 6 rows after 4 cached tokens, 1 row after 9
     assert cpu_layers.pieces([3, 6, 1], [3, 10, 10], 4) == [

@@ -90,6 +90,7 @@ class CpuDecoder:
         self._native: NativeKernels | None | bool = False  # loaded at the first window (False: not yet)
         if kernels == "native" and runner.device.type == "cpu":  # asked for: a build error shows at start-up
             self._native = NativeKernels.load(kernels)
+        self.whole_window = True  # a window in one call where it runs (cpu_layers.window_group); False: step by step
         self._statics_key: tuple = ()
         self._statics: tuple = ()
         self.reset()
@@ -255,19 +256,12 @@ class CpuDecoder:
 
     def sampler(self, st: SamplingTensors, counters: torch.Tensor) -> Callable[[torch.Tensor, int], tuple]:
         """The window's ``sample(logits, j)`` for rows with sampling tensors ``st`` whose step-0 tokens are output
-        position ``counters`` [B]: the C sampler (:meth:`.cpu_native.NativeKernels.sample`, the same draws as
+        position ``counters`` [B]: the C sampler (:class:`NativeDraw`, the same draws as
         :func:`.sampler.sample_torch`) where no row asks for a filter or top logprobs, else ``sampler.sample``."""
         nat = self._lib()
         if nat is None or st.any_top_p_or_k or st.any_min_p or st.max_top_logprobs:
             return lambda z, j: sample(z, st, counters + j)
-        counters = counters.contiguous()
-
-        def native(z: torch.Tensor, j: int) -> tuple:
-            if z.dtype != torch.float32:
-                return sample(z, st, counters + j)
-            return (*nat.sample(z, st.temperature, st.seeds, counters, j), None)
-
-        return native
+        return NativeDraw(nat, st, counters.contiguous())
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, meta: AttnBatch,
@@ -326,17 +320,27 @@ class CpuDecoder:
             slot_t = torch.tensor(slots)  # row b's K/V and mask: buffer row slots[b]
             bufs, o_buf = cpu_layers.buffers(nplan, b, embed.shape[1]), torch.empty(b, nq)
             own_gemm = cpu_layers.gemm_ok(nplan, b)
-            # the whole step in one call (cpu_native.c's miles_decode_step) where every layer is a dense SwiGLU one
-            whole = cpu_layers.step_args(nplan, k_l, v_l) if own_gemm and embed.is_contiguous() else None
+            # the whole window in one call (cpu_native.c's miles_decode_window) where the weights are small and the draws
+            # are the C sampler's; else the whole step in one call (miles_decode_step); both where every layer is a dense
+            # SwiGLU one
+            step_args = cpu_layers.step_args(nplan, k_l, v_l) if embed.is_contiguous() else None
+            group = (cpu_layers.window_group(nplan, b, head_w.t())
+                     if step_args is not None and isinstance(sample, NativeDraw) and self.whole_window else 0)
+            whole = step_args if own_gemm or group else None
             x_buf, xn_buf = torch.empty(b, embed.shape[1]), torch.empty(b, embed.shape[1])
         else:  # per layer, views made once per window (indexing costs as much as a small op):
-            whole = None
+            whole, group = None, 0
             # K [B*Hk, D, cap] and V [B*Hk, cap, D] for the batched matmuls
             k_mm = [x.view(b * hk, d, -1) for x in kt.unbind(0)]
             v_mm = [x.view(b * hk, -1, d) for x in vw.unbind(0)]
         toks, lps, tops, routes = [], [], [], []
         tok = tokens
-        for j in range(k):
+        if group:  # the whole window in one call: each row group through every step, drawn inside it
+            st = sample.st
+            tw, lw = nat.decode_window(tok.contiguous(), embed, *whole, fn[1:], head_w.t(), cos_t, sin_plain, pos0, slot_t, mask2d,
+                                       t0, scale, st.temperature, st.seeds, sample.counters, k, group, h, hk, d, bufs[1].shape[1])
+            toks, lps = list(tw.unbind(1)), list(lw.unbind(1))
+        for j in range(0 if group else k):
             routed = []
             if whole is not None:  # embedding, layers and final norm in one call
                 xn = nat.decode_step(tok.contiguous(), embed, x_buf, *whole, fn[1:], xn_buf, cos_t, sin_plain, pos0, j, slot_t,
@@ -394,6 +398,20 @@ class CpuDecoder:
         else:
             self.rows, self.next_pos = list(reqs), [x + k for x in positions]
         return WindowOut(torch.stack(toks, 1), torch.stack(lps, 1), tops, routes)
+
+
+class NativeDraw:
+    """``sample(logits, j)`` through the C sampler (:meth:`.cpu_native.NativeKernels.sample`): rows with no filter and
+    no top logprobs, whose step-0 tokens are output position ``counters`` [B]. The window hands its tensors to
+    :meth:`.cpu_native.NativeKernels.decode_window` when it draws inside that call."""
+
+    def __init__(self, nat: NativeKernels, st: SamplingTensors, counters: torch.Tensor) -> None:
+        self.nat, self.st, self.counters = nat, st, counters
+
+    def __call__(self, z: torch.Tensor, j: int) -> tuple:
+        if z.dtype != torch.float32:
+            return sample(z, self.st, self.counters + j)
+        return (*self.nat.sample(z, self.st.temperature, self.st.seeds, self.counters, j), None)
 
 
 def _layer_plan(run, i: int, layer, rolled: bool) -> tuple:

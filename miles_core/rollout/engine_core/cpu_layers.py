@@ -32,6 +32,12 @@ from miles_core.rollout.engine_core.cpu_native import NativeKernels
 # rows up to which native_layers runs cpu_native.c's GEMM instead of MKL's: measured at the quickstart shapes (hidden
 # 128, 2 cores, 2026-12-06), the C kernel took 0.6-0.8x MKL's time at 16 rows, 0.75-1.0x at 64, and 1.0-1.25x at 512
 GEMM_ROWS = 128
+# a decode window in one call (window_group): rows per group, and the most weight bytes (every layer's and the lm_head)
+# for which it runs: each group reads the weights at every step, so they must stay in cache. Measured at batch 64 with
+# the quickstart shapes (1.6 MB of weights; 2 cores, 2026-12-07), groups of 4 / 6 / 8 / 12 / 16 / 32 rows gave
+# 51.6k / 55.0k / 55.9k / 48.9k / 54.7k / 50.9k tok/s against 41.9k step by step.
+WINDOW_GROUP = 8
+WINDOW_WEIGHT_BYTES = 8 << 20
 # prefill rows per piece through all layers (cpu_layers.prefill): a piece's activations stay in cache between kernels
 PREFILL_ROWS = 512
 
@@ -78,6 +84,21 @@ def native_layers(nat: NativeKernels, nplan: list, x: torch.Tensor, attend: Atte
         else:
             x = mlp_residual(x, hn, mlp, gate_up, act, down_w, run, routed)
     return x
+
+
+def window_group(nplan: list, rows: int, head: torch.Tensor) -> int:
+    """Rows per group where a decode window of ``rows`` rows runs in one call
+    (:meth:`.cpu_native.NativeKernels.decode_window`: each group through every step on one thread), else 0: every
+    layer a dense SwiGLU one whose weights cpu_native.c's GEMM takes, the lm_head weight ``head`` [V, hidden]
+    contiguous, and all weights within ``WINDOW_WEIGHT_BYTES``. Groups of ``WINDOW_GROUP`` rows, fewer where there
+    would not be one per thread."""
+    if not head.is_contiguous() or not all(swiglu for *_, swiglu in nplan) or not gemm_ok(nplan, 1):
+        return 0
+    weights = [head, *(w for w1, _, qkv_w, _, _, _, o_w, w2, _, (_, gate_up, _, down_w), _ in nplan
+                       for w in (w1, qkv_w, o_w, w2, gate_up, down_w))]
+    if sum(w.numel() * w.element_size() for w in weights) > WINDOW_WEIGHT_BYTES:
+        return 0
+    return max(1, min(WINDOW_GROUP, -(-rows // torch.get_num_threads())))
 
 
 def gemm_ok(nplan: list, rows: int) -> bool:

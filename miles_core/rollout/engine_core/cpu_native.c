@@ -230,34 +230,54 @@ static void attend(const float *q, const float *kb, const float *v, const float 
    q_w, k_w: per-head RMSNorm weights [D] or NULL; slot (int64 [B]) or NULL: row b's buffer row (and mask row), else b;
    kb [B, Hk, cap / 16, D, 16], v [B, Hk, cap, D]: the window buffer, column col gets the new K/V;
    mask [B * Hk, cap]; out [B, H * D]. Attends over columns [0, col]. */
+/* One row of one layer's decode step: the row's q/k/v in row (q and k before norm and rotary), its rotary tables c,
+   sn, its buffer row sb; the new K/V into column col, attention over columns [0, col] into out [H * D]. s: scratch of
+   R * round16(col + 1) + H * D + D floats. */
+static void attn_row(const float *row, const float *c, const float *sn, int64_t sb, const float *q_w, const float *k_w,
+                     float qk_eps, float *kb, float *v, const float *mask, float *out, float *s, int64_t H, int64_t Hk,
+                     int64_t D, int64_t cap, int64_t col, float scale) {
+  const int64_t R = H / Hk, n = col + 1, ns = (n + 15) & ~(int64_t)15;
+  float *q = s + R * ns, *kk = q + H * D;
+  for (int64_t h = 0; h < H; ++h) {
+    if (q_w) rmsnorm_row(row + h * D, q_w, q + h * D, D, qk_eps);
+    else memcpy(q + h * D, row + h * D, sizeof(float) * (size_t)D);
+    rope_head(q + h * D, c, sn, D);
+  }
+  for (int64_t g = 0; g < Hk; ++g) {
+    const float *kin = row + (H + g) * D, *vin = row + (H + Hk + g) * D;
+    if (k_w) rmsnorm_row(kin, k_w, kk, D, qk_eps);
+    else memcpy(kk, kin, sizeof(float) * (size_t)D);
+    rope_head(kk, c, sn, D);
+    float *kbg = kb + (sb * Hk + g) * cap * D, *vg = v + (sb * Hk + g) * cap * D;
+    float *kcol = kbg + (col / 16) * 16 * D + col % 16;
+    for (int64_t d = 0; d < D; ++d) kcol[d * 16] = kk[d];
+    memcpy(vg + col * D, vin, sizeof(float) * (size_t)D);
+    attend(q + g * R * D, kbg, vg, mask + (sb * Hk + g) * cap, out + g * R * D, s, R, D, n, scale);
+  }
+}
+
+static float *scratch(int64_t n) {
+  float *s = malloc(sizeof(float) * (size_t)n);
+  if (!s) abort(); /* a few KB: never silently skip rows */
+  return s;
+}
+
+/* One layer's attention for one decode step of B rows.
+   qkv [B, qkv_stride]: q heads (H * D), k heads (Hk * D), v heads (Hk * D) of each row (q and k before norm and
+   rotary); cos, sin: row b's at cos + b * cs_stride, or with pos (int64 [B]) the table row pos[b] + pos_off;
+   q_w, k_w: per-head RMSNorm weights [D] or NULL; slot (int64 [B]) or NULL: row b's buffer row (and mask row), else b;
+   kb [B, Hk, cap / 16, D, 16], v [B, Hk, cap, D]: the window buffer, column col gets the new K/V;
+   mask [B * Hk, cap]; out [B, H * D]. Attends over columns [0, col]. */
 static void attn_step_for(const float *qkv, int64_t qkv_stride, const float *cos, const float *sin, int64_t cs_stride,
                           const int64_t *pos, int64_t pos_off, const int64_t *slot, const float *q_w, const float *k_w,
                           float qk_eps, float *kb, float *v, const float *mask, float *out, int64_t B, int64_t H, int64_t Hk,
                           int64_t D, int64_t cap, int64_t col, float scale) {
-  const int64_t R = H / Hk, n = col + 1, ns = (n + 15) & ~(int64_t)15;
-  float *s = malloc(sizeof(float) * (size_t)(R * ns + H * D + D)); /* this thread's scratch */
-  if (!s) abort(); /* a few KB: never silently skip rows */
+  float *s = scratch(H / Hk * ((col + 16) & ~(int64_t)15) + H * D + D); /* this thread's */
 #pragma omp for schedule(static)
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t cr = pos ? pos[b] + pos_off : b, sb = slot ? slot[b] : b;
-    const float *row = qkv + b * qkv_stride, *c = cos + cr * cs_stride, *sn = sin + cr * cs_stride;
-    float *q = s + R * ns, *kk = q + H * D;
-    for (int64_t h = 0; h < H; ++h) {
-      if (q_w) rmsnorm_row(row + h * D, q_w, q + h * D, D, qk_eps);
-      else memcpy(q + h * D, row + h * D, sizeof(float) * (size_t)D);
-      rope_head(q + h * D, c, sn, D);
-    }
-    for (int64_t g = 0; g < Hk; ++g) {
-      const float *kin = row + (H + g) * D, *vin = row + (H + Hk + g) * D;
-      if (k_w) rmsnorm_row(kin, k_w, kk, D, qk_eps);
-      else memcpy(kk, kin, sizeof(float) * (size_t)D);
-      rope_head(kk, c, sn, D);
-      float *kbg = kb + (sb * Hk + g) * cap * D, *vg = v + (sb * Hk + g) * cap * D;
-      float *kcol = kbg + (col / 16) * 16 * D + col % 16;
-      for (int64_t d = 0; d < D; ++d) kcol[d * 16] = kk[d];
-      memcpy(vg + col * D, vin, sizeof(float) * (size_t)D);
-      attend(q + g * R * D, kbg, vg, mask + (sb * Hk + g) * cap, out + b * H * D + g * R * D, s, R, D, n, scale);
-    }
+    const int64_t cr = pos ? pos[b] + pos_off : b;
+    attn_row(qkv + b * qkv_stride, cos + cr * cs_stride, sin + cr * cs_stride, slot ? slot[b] : b, q_w, k_w, qk_eps, kb, v,
+             mask, out + b * H * D, s, H, Hk, D, cap, col, scale);
   }
   free(s);
 }
@@ -342,36 +362,70 @@ static inline uint32_t mix32(uint32_t x) {
    (row stride row_stride) with temperature[b] <= 0 takes argmax z, else argmax (z / T - log(-log u)) with u the row's
    counter-based uniforms (seed seeds[b], output position counters[b] + offset); logp[b] = log_softmax(z / T)[token]
    (T = 1 for greedy rows). Ties go to the lowest id, as torch's argmax. */
+static void sample_row(const float *z, float temperature, int64_t seed_in, int64_t counter, int64_t *tok, float *logp,
+                       int64_t V) {
+  const float t = temperature <= 0.f ? 1.f : temperature;
+  float mx = -INFINITY;
+  int64_t best = 0;
+  for (int64_t v = 0; v < V; ++v)
+    if (z[v] / t > mx) { mx = z[v] / t; best = v; }
+  if (temperature > 0.f) {
+    const uint64_t seed = (uint64_t)seed_in;
+    const uint32_t row = mix32(mix32((uint32_t)seed) ^ (uint32_t)counter ^ (uint32_t)(seed >> 32) * 0x1B873593u);
+    float top = -INFINITY;
+    for (int64_t v = 0; v < V; ++v) {
+      const uint32_t x = mix32(row + (uint32_t)v * 0x2545F49u);
+      const float u = ((float)(x >> 8) + 0.5f) * (1.0f / 16777216.0f);
+      const float g = z[v] / t - logf(-logf(u));
+      if (g > top) { top = g; best = v; }
+    }
+  }
+  v16 acc = {0};
+  int64_t v = 0;
+  for (; v + 16 <= V; v += 16) acc += exp_neg(ld(z + v) / t - mx);
+  float sum = hsum(acc);
+  for (; v < V; ++v) sum += expf(z[v] / t - mx);
+  *tok = best;
+  *logp = (z[best] / t - mx) - logf(sum);
+}
+
 void miles_sample(const float *logits, int64_t row_stride, const float *temperature, const int64_t *seeds,
                   const int64_t *counters, int64_t offset, int64_t *tok, float *logp, int64_t B, int64_t V) {
 #pragma omp parallel for schedule(static) if (B * V >= 262144)
-  for (int64_t b = 0; b < B; ++b) {
-    const float *z = logits + b * row_stride;
-    const float t = temperature[b] <= 0.f ? 1.f : temperature[b];
-    float mx = -INFINITY;
-    int64_t best = 0;
-    for (int64_t v = 0; v < V; ++v)
-      if (z[v] / t > mx) { mx = z[v] / t; best = v; }
-    if (temperature[b] > 0.f) {
-      const uint64_t seed = (uint64_t)seeds[b];
-      const uint32_t row =
-          mix32(mix32((uint32_t)seed) ^ (uint32_t)(counters[b] + offset) ^ (uint32_t)(seed >> 32) * 0x1B873593u);
-      float top = -INFINITY;
-      for (int64_t v = 0; v < V; ++v) {
-        const uint32_t x = mix32(row + (uint32_t)v * 0x2545F49u);
-        const float u = ((float)(x >> 8) + 0.5f) * (1.0f / 16777216.0f);
-        const float g = z[v] / t - logf(-logf(u));
-        if (g > top) { top = g; best = v; }
+  for (int64_t b = 0; b < B; ++b)
+    sample_row(logits + b * row_stride, temperature[b], seeds[b], counters[b] + offset, tok + b, logp + b, V);
+}
+
+/* ---------------------------------------------------------------- logits */
+/* out[r, v] = x[r] . head[v] for rows r < M of x [M, hidden] (contiguous), vocabulary rows v0 <= v < v1 of head
+   [V, hidden] (the lm_head weight as stored, contiguous), out [M, V]: four vocabulary rows at a time (they stay in L1
+   while every x row passes), each dot summed in 16 lanes, then across them. */
+static void logits_rows(const float *x, int64_t M, const float *head, float *out, int64_t V, int64_t hidden, int64_t v0,
+                        int64_t v1) {
+  const int64_t hv = hidden & ~(int64_t)15;
+  for (int64_t v = v0; v < v1; v += 4) {
+    const int64_t nv = v1 - v < 4 ? v1 - v : 4;
+    const float *w = head + v * hidden;
+    for (int64_t r = 0; r < M; ++r) {
+      const float *xr = x + r * hidden;
+      v16 acc[4] = {{0}, {0}, {0}, {0}};
+      for (int64_t i = 0; i < hv; i += 16) {
+        const v16 xv = ld(xr + i);
+        for (int64_t u = 0; u < nv; ++u) acc[u] += xv * ld(w + u * hidden + i);
+      }
+      for (int64_t u = 0; u < nv; ++u) {
+        float sum = hsum(acc[u]);
+        for (int64_t i = hv; i < hidden; ++i) sum += xr[i] * w[u * hidden + i];
+        out[r * V + v + u] = sum;
       }
     }
-    v16 acc = {0};
-    int64_t v = 0;
-    for (; v + 16 <= V; v += 16) acc += exp_neg(ld(z + v) / t - mx);
-    float sum = hsum(acc);
-    for (; v < V; ++v) sum += expf(z[v] / t - mx);
-    tok[b] = best;
-    logp[b] = (z[best] / t - mx) - logf(sum);
   }
+}
+
+/* the logits of M rows: miles_decode_window's, with the vocabulary split over the threads in blocks of 256 */
+void miles_logits(const float *x, int64_t M, const float *head, float *out, int64_t V, int64_t hidden) {
+#pragma omp parallel for schedule(static) if (M * V * hidden >= 262144)
+  for (int64_t v = 0; v < V; v += 256) logits_rows(x, M, head, out, V, hidden, v, V - v < 256 ? V : v + 256);
 }
 
 
@@ -400,40 +454,53 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *x, int6
    (with swiglu 32 gate + the 32 matching up columns) are split over the threads, each running all row tiles of 6
    against its group, whose weights then stay in its cache. The sums run over k in order: rounding differs from
    MKL's blocked sums. */
+static inline __attribute__((always_inline)) void gemm_block(const float *x, int64_t ldx, const float *wt, const float *add,
+                                                           int64_t ld_add, float *out, int64_t M, int64_t K, int64_t N,
+                                                           int swiglu, int64_t gi, int64_t ti) {
+  const int64_t width = swiglu ? N / 2 : N, per = swiglu ? 32 : 64;
+  const int64_t j = gi * per, r0 = ti * 6, rc = M - r0 < 6 ? M - r0 : 6;
+  const int64_t nv = swiglu ? 2 * ((width - j) / 16 < 2 ? (width - j) / 16 : 2) : ((width - j) / 16 < 4 ? (width - j) / 16 : 4);
+  int64_t c[4];
+  for (int64_t v = 0; v < nv; ++v) c[v] = swiglu ? (v % 2) * (N / 2) + j + 16 * (v / 2) : j + 16 * v;
+  v16 acc[6][4];
+  const float *xr = x + r0 * ldx;
+  switch (rc * 8 + nv) {
+#define TILE(RC, NV) case RC * 8 + NV: gemm_tile(xr, ldx, wt, N, K, RC, c, NV, acc); break;
+    TILE(1, 1) TILE(1, 2) TILE(1, 3) TILE(1, 4) TILE(2, 1) TILE(2, 2) TILE(2, 3) TILE(2, 4)
+    TILE(3, 1) TILE(3, 2) TILE(3, 3) TILE(3, 4) TILE(4, 1) TILE(4, 2) TILE(4, 3) TILE(4, 4)
+    TILE(5, 1) TILE(5, 2) TILE(5, 3) TILE(5, 4) TILE(6, 1) TILE(6, 2) TILE(6, 3) TILE(6, 4)
+#undef TILE
+  }
+  for (int64_t r = 0; r < rc; ++r) {
+    float *o = out + (r0 + r) * width + j;
+    if (swiglu) { /* acc[r][2u] gate, acc[r][2u + 1] up; silu(g) * u as miles_silu_mul computes it */
+      for (int64_t u = 0; u < nv / 2; ++u) {
+        const v16 g = acc[r][2 * u];
+        st(o + 16 * u, g / (exp_any(-g) + 1.0f) * acc[r][2 * u + 1]);
+      }
+    } else if (add) {
+      const float *ad = add + (r0 + r) * ld_add + j;
+      for (int64_t v = 0; v < nv; ++v) st(o + 16 * v, ld(ad + 16 * v) + acc[r][v]);
+    } else {
+      for (int64_t v = 0; v < nv; ++v) st(o + 16 * v, acc[r][v]);
+    }
+  }
+}
+
 static void gemm_for(const float *x, int64_t ldx, const float *wt, const float *add, int64_t ld_add, float *out, int64_t M,
                      int64_t K, int64_t N, int swiglu) {
   const int64_t width = swiglu ? N / 2 : N, per = swiglu ? 32 : 64, groups = (width + per - 1) / per, tiles = (M + 5) / 6;
 #pragma omp for collapse(2) schedule(static)
   for (int64_t gi = 0; gi < groups; ++gi)
-    for (int64_t ti = 0; ti < tiles; ++ti) {
-      const int64_t j = gi * per, r0 = ti * 6, rc = M - r0 < 6 ? M - r0 : 6;
-      const int64_t nv = swiglu ? 2 * ((width - j) / 16 < 2 ? (width - j) / 16 : 2) : ((width - j) / 16 < 4 ? (width - j) / 16 : 4);
-      int64_t c[4];
-      for (int64_t v = 0; v < nv; ++v) c[v] = swiglu ? (v % 2) * (N / 2) + j + 16 * (v / 2) : j + 16 * v;
-      v16 acc[6][4];
-      const float *xr = x + r0 * ldx;
-      switch (rc * 8 + nv) {
-#define TILE(RC, NV) case RC * 8 + NV: gemm_tile(xr, ldx, wt, N, K, RC, c, NV, acc); break;
-        TILE(1, 1) TILE(1, 2) TILE(1, 3) TILE(1, 4) TILE(2, 1) TILE(2, 2) TILE(2, 3) TILE(2, 4)
-        TILE(3, 1) TILE(3, 2) TILE(3, 3) TILE(3, 4) TILE(4, 1) TILE(4, 2) TILE(4, 3) TILE(4, 4)
-        TILE(5, 1) TILE(5, 2) TILE(5, 3) TILE(5, 4) TILE(6, 1) TILE(6, 2) TILE(6, 3) TILE(6, 4)
-#undef TILE
-      }
-      for (int64_t r = 0; r < rc; ++r) {
-        float *o = out + (r0 + r) * width + j;
-        if (swiglu) { /* acc[r][2u] gate, acc[r][2u + 1] up; silu(g) * u as miles_silu_mul computes it */
-          for (int64_t u = 0; u < nv / 2; ++u) {
-            const v16 g = acc[r][2 * u];
-            st(o + 16 * u, g / (exp_any(-g) + 1.0f) * acc[r][2 * u + 1]);
-          }
-        } else if (add) {
-          const float *a = add + (r0 + r) * ld_add + j;
-          for (int64_t v = 0; v < nv; ++v) st(o + 16 * v, ld(a + 16 * v) + acc[r][v]);
-        } else {
-          for (int64_t v = 0; v < nv; ++v) st(o + 16 * v, acc[r][v]);
-        }
-      }
-    }
+    for (int64_t ti = 0; ti < tiles; ++ti) gemm_block(x, ldx, wt, add, ld_add, out, M, K, N, swiglu, gi, ti);
+}
+
+/* gemm_for's blocks, all on the calling thread (a row group of miles_decode_window) */
+static void gemm_rows(const float *x, int64_t ldx, const float *wt, const float *add, int64_t ld_add, float *out, int64_t M,
+                      int64_t K, int64_t N, int swiglu) {
+  const int64_t width = swiglu ? N / 2 : N, per = swiglu ? 32 : 64, groups = (width + per - 1) / per, tiles = (M + 5) / 6;
+  for (int64_t gi = 0; gi < groups; ++gi)
+    for (int64_t ti = 0; ti < tiles; ++ti) gemm_block(x, ldx, wt, add, ld_add, out, M, K, N, swiglu, gi, ti);
 }
 
 void miles_gemm(const float *x, int64_t ldx, const float *wt, const float *add, int64_t ld_add, float *out, int64_t M,
@@ -529,5 +596,65 @@ void miles_decode_step(const int64_t *tok, const float *embed, float *x, const i
 #undef W
     }
     rmsnorm_for(x, hidden, final_w, xn, B, hidden, final_eps);
+  }
+}
+
+/* ---------------------------------------------------------------- a whole decode window */
+/* K decode steps of B rows in one call, the rows in groups of G: one thread takes a group through all K steps
+   (the embedding, the layers as miles_decode_step runs them, the final norm, the logits against head [V, hidden] as
+   miles_logits computes them, and the draw as miles_sample makes it), so that a group's K/V stays in the cache from
+   one step to the next, and the threads never wait for each other. The arithmetic of every row is that of those
+   kernels: the same bits. Step j of row b feeds token tok0[b] (j = 0) or its own draw of step j - 1, reads the rotary
+   tables at row pos[b] + j, writes column col0 + j of buffer row slot[b] and attends over [0, col0 + j], and draws for
+   output position counters[b] + j (temperature[b], seeds[b]); its token and logprob go to tok_out, logp_out [B, K].
+   Weights, buffers and eps as miles_decode_step's. The weights are read once per group and step: this pays where
+   they are small against the groups' K/V (the caller decides). */
+void miles_decode_window(const int64_t *tok0, const float *embed, const int64_t *ptrs, const float *eps, int64_t L,
+                         const float *final_w, float final_eps, const float *head, int64_t V, const float *cos,
+                         const float *sin, int64_t cs_stride, const int64_t *pos, const int64_t *slot, const float *mask,
+                         int64_t col0, float scale, const float *temperature, const int64_t *seeds, const int64_t *counters,
+                         int64_t *tok_out, float *logp_out, int64_t B, int64_t K, int64_t G, int64_t hidden, int64_t H,
+                         int64_t Hk, int64_t D, int64_t inter, int64_t cap) {
+  const int64_t nqkv = (H + 2 * Hk) * D, hd = H * D, groups = (B + G - 1) / G;
+  const int64_t ns = (col0 + K + 15) & ~(int64_t)15;
+#pragma omp parallel if (groups > 1)
+  {
+    float *x = scratch(G * (2 * hidden + nqkv + hd + inter + V) + H / Hk * ns + hd + D); /* this thread's */
+    float *h = x + G * hidden, *qkv = h + G * hidden, *o = qkv + G * nqkv, *a = o + G * hd, *z = a + G * inter;
+    float *s = z + G * V;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const int64_t r0 = gi * G, M = B - r0 < G ? B - r0 : G;
+      for (int64_t j = 0; j < K; ++j) {
+        for (int64_t r = 0; r < M; ++r) {
+          const int64_t b = r0 + r, t = j ? tok_out[b * K + j - 1] : tok0[b];
+          memcpy(x + r * hidden, embed + t * hidden, sizeof(float) * (size_t)hidden);
+        }
+        for (int64_t l = 0; l < L; ++l) {
+          const int64_t *p = ptrs + l * 10;
+          const float *e = eps + l * 3;
+#define W(i) ((float *)(intptr_t)p[i])
+          for (int64_t r = 0; r < M; ++r) rmsnorm_row(x + r * hidden, W(0), h + r * hidden, hidden, e[0]);
+          gemm_rows(h, hidden, W(1), NULL, 0, qkv, M, hidden, nqkv, 0);
+          for (int64_t r = 0; r < M; ++r) {
+            const int64_t b = r0 + r, cr = pos[b] + j;
+            attn_row(qkv + r * nqkv, cos + cr * cs_stride, sin + cr * cs_stride, slot[b], W(2), W(3), e[2], W(8), W(9), mask,
+                     o + r * hd, s, H, Hk, D, cap, col0 + j, scale);
+          }
+          gemm_rows(o, hd, W(4), x, hidden, x, M, hd, hidden, 0);
+          for (int64_t r = 0; r < M; ++r) rmsnorm_row(x + r * hidden, W(5), h + r * hidden, hidden, e[1]);
+          gemm_rows(h, hidden, W(6), NULL, 0, a, M, hidden, 2 * inter, 1);
+          gemm_rows(a, inter, W(7), x, hidden, x, M, inter, hidden, 0);
+#undef W
+        }
+        for (int64_t r = 0; r < M; ++r) rmsnorm_row(x + r * hidden, final_w, h + r * hidden, hidden, final_eps);
+        logits_rows(h, M, head, z, V, hidden, 0, V);
+        for (int64_t r = 0; r < M; ++r) {
+          const int64_t b = r0 + r;
+          sample_row(z + r * V, temperature[b], seeds[b], counters[b] + j, tok_out + b * K + j, logp_out + b * K + j, V);
+        }
+      }
+    }
+    free(x);
   }
 }

@@ -138,8 +138,12 @@ class NativeKernels:
         self._step.argtypes = [p, p, p, p, p, i, p, f, p, p, p, i, p, i, p, p, i, f, p, p, p, p, i, i, i, i, i, i, i]
         self._gather = lib.miles_gather
         self._gather.argtypes = [p, p, i, i, p, p, p, i, i, i, i, i, i, i, i]
+        self._logits = lib.miles_logits
+        self._logits.argtypes = [p, i, p, p, i, i]
+        self._window = lib.miles_decode_window
+        self._window.argtypes = [p, p, p, p, i, p, f, p, i, p, p, i, p, p, p, i, f, p, p, p, p, p, i, i, i, i, i, i, i, i, i]
         for fn in (self._rmsnorm, self._silu_mul, self._attn, self._prefill_rope, self._prefill_attn, self._sample, self._gemm,
-                   self._write_back, self._step, self._gather):
+                   self._write_back, self._step, self._gather, self._logits, self._window):
             fn.restype = None
 
     @classmethod
@@ -271,3 +275,29 @@ class NativeKernels:
                    pos_off, slot.data_ptr(), mask.data_ptr(), col, scale, h.data_ptr(), qkv.data_ptr(), o.data_ptr(), a.data_ptr(), b, hidden,
                    heads, kv_heads, d, a.shape[1], mask.shape[1])
         return xn
+
+    def logits(self, x: torch.Tensor, head: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out = x @ head^T``: x [M, hidden], head [V, hidden] (the lm_head weight as stored), out [M, V], all
+        contiguous; the sums as :meth:`decode_window`'s."""
+        assert x.is_contiguous() and head.is_contiguous() and out.is_contiguous()
+        self._logits(x.data_ptr(), x.shape[0], head.data_ptr(), out.data_ptr(), head.shape[0], head.shape[1])
+        return out
+
+    def decode_window(self, tok: torch.Tensor, embed: torch.Tensor, ptrs: torch.Tensor, eps: torch.Tensor, final_norm: tuple,
+                      head: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor,
+                      mask: torch.Tensor, col: int, scale: float, temperature: torch.Tensor, seeds: torch.Tensor,
+                      counters: torch.Tensor, steps: int, group: int, heads: int, kv_heads: int, head_dim: int,
+                      inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``steps`` decode steps in one call, the rows in groups of ``group`` (one thread takes a group through
+        every step): per step :meth:`decode_step`'s embedding, layers and final norm (step j at rotary row ``pos +
+        j``, column ``col + j``), :meth:`logits` against ``head`` [V, hidden], and :meth:`sample`'s draw for output
+        position ``counters + j``, whose token feeds step j + 1. ``tok`` [B] int64 feeds step 0; the other
+        arguments as :meth:`decode_step`'s and :meth:`sample`'s, every tensor contiguous. Returns (tokens [B,
+        steps] int64, logprobs [B, steps]), the same bits as those calls made step by step."""
+        b, (v, hidden) = tok.shape[0], head.shape
+        toks, lps = torch.empty(b, steps, dtype=torch.int64), torch.empty(b, steps)
+        self._window(tok.data_ptr(), embed.data_ptr(), ptrs.data_ptr(), eps.data_ptr(), ptrs.shape[0], final_norm[0].data_ptr(),
+                     final_norm[1], head.data_ptr(), v, cos_t.data_ptr(), sin_t.data_ptr(), head_dim, pos.data_ptr(),
+                     slot.data_ptr(), mask.data_ptr(), col, scale, temperature.data_ptr(), seeds.data_ptr(), counters.data_ptr(),
+                     toks.data_ptr(), lps.data_ptr(), b, steps, group, hidden, heads, kv_heads, head_dim, inter, mask.shape[1])
+        return toks, lps
