@@ -8,7 +8,7 @@ as it is; each timer adds ~0.2 µs per call. Prints microseconds per decode step
 prefill's time spread over the decode steps, as a run pays it) and call kind, averaged over ``--runs`` timed runs
 (each after a warm-up run, as rollout_bench does)::
 
-    python benchmarks/cpu_step_breakdown.py --batch 64 [--cpu-kernels torch] [--max-batched-tokens N]
+    python benchmarks/cpu_step_breakdown.py --batch 64 [--cpu-kernels torch] [--step-by-step] [--max-batched-tokens N]
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--cpu-kernels", choices=rb.CPU_KERNELS, default="auto")
+    ap.add_argument("--step-by-step", action="store_true", help="no window in one call (cpu_layers.window_group)")
     ap.add_argument("--max-batched-tokens", type=int, default=16384, help="prompt tokens per prefill step (rollout_bench.py: 16384)")
     args = ap.parse_args()
     a = argparse.Namespace(**rb.PRESETS["cpu"])
@@ -54,6 +55,7 @@ def main() -> None:
     cfg = rb.EngineConfig(max_num_seqs=args.batch, max_model_len=a.prompt_len + a.new_tokens + 16, max_batched_tokens=args.max_batched_tokens,
                           cpu_kernels=args.cpu_kernels)
     core = rb.EngineCore(model, cfg)
+    core._cpu.whole_window = not args.step_by_step
 
     acc: dict = collections.defaultdict(float)
     steps, phase = [0], ["window: "]
@@ -67,7 +69,7 @@ def main() -> None:
 
     def time_native(dec) -> None:
         if dec._native not in (False, None) and not hasattr(dec._native, "_timed"):
-            for name in ("rmsnorm", "attn_step", "silu_mul", "prefill_rope", "prefill_attn", "gemm", "decode_step"):
+            for name in ("rmsnorm", "attn_step", "silu_mul", "prefill_rope", "prefill_attn", "gemm", "decode_step", "decode_window"):
                 setattr(dec._native, name, timed(getattr(dec._native, name), acc, f"native {name}", phase))
             dec._native._timed = True
 
@@ -75,7 +77,9 @@ def main() -> None:
         time_native(self)
         steps[0] += steps_
         t0 = time.perf_counter()
-        out = window(self, reqs, tokens, pos0, block_tables, steps_, timed(sample, acc, "sampling", phase))
+        if not isinstance(sample, cpu_decode.NativeDraw):  # the C sampler's draws may run inside decode_window
+            sample = timed(sample, acc, "sampling", phase)
+        out = window(self, reqs, tokens, pos0, block_tables, steps_, sample)
         acc["window: all"] += time.perf_counter() - t0
         return out
 

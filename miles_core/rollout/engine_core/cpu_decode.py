@@ -37,8 +37,11 @@ stand-in (below), every projection the same (fused) weight, so engine and traine
 the same function. Steps run under ``torch.inference_mode``.
 
 In fp32, where the model holds the reference norm / rotary / SwiGLU ops and head_dim is a multiple of
-16, a step instead runs through the C kernels of :mod:`.cpu_native` (:mod:`.cpu_layers`): up to 128 rows
-of dense SwiGLU layers, all layers of the step in one call; else per layer the norm, q/k/v GEMM,
+16, a step instead runs through the C kernels of :mod:`.cpu_native` (:mod:`.cpu_layers`). Where every layer
+is a dense SwiGLU one, the weights are small (``cpu_layers.window_group``: the quickstart model's 1.6 MB) and
+the draws are the C sampler's, the whole window is one call: rows in groups of 8, each group taken by one
+thread through all ``K`` steps (layers, logits, draw), so its K/V stays in the cache from step to step. Else,
+up to 128 rows of dense SwiGLU layers, all layers of a step in one call; else per layer the norm, q/k/v GEMM,
 q/k norm + rotary + K/V column write + attention, o_proj, norm, gate/up + SwiGLU and down calls; the
 C sampler where no row asks for a filter or top logprobs (:meth:`CpuDecoder.sampler`); and the
 prefill (:meth:`CpuDecoder.prefill`). ``engine.cpu_kernels``, ``auto`` by default. Those sum in
@@ -340,7 +343,7 @@ class CpuDecoder:
             tw, lw = nat.decode_window(tok.contiguous(), embed, *whole, fn[1:], head_w.t(), cos_t, sin_plain, pos0, slot_t, mask2d,
                                        t0, scale, st.temperature, st.seeds, sample.counters, k, group, h, hk, d, bufs[1].shape[1])
             toks, lps = list(tw.unbind(1)), list(lw.unbind(1))
-        for j in range(0 if group else k):
+        for j in range(0 if group else k):  # else step by step
             routed = []
             if whole is not None:  # embedding, layers and final norm in one call
                 xn = nat.decode_step(tok.contiguous(), embed, x_buf, *whole, fn[1:], xn_buf, cos_t, sin_plain, pos0, j, slot_t,

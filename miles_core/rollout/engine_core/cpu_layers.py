@@ -35,7 +35,8 @@ GEMM_ROWS = 128
 # a decode window in one call (window_group): rows per group, and the most weight bytes (every layer's and the lm_head)
 # for which it runs: each group reads the weights at every step, so they must stay in cache. Measured at batch 64 with
 # the quickstart shapes (1.6 MB of weights; 2 cores, 2026-12-07), groups of 4 / 6 / 8 / 12 / 16 / 32 rows gave
-# 51.6k / 55.0k / 55.9k / 48.9k / 54.7k / 50.9k tok/s against 41.9k step by step.
+# 51.6k / 55.0k / 55.9k / 48.9k / 54.7k / 50.9k tok/s against 41.9k step by step. Groups of 8 against step by step, at
+# batch 64 with larger weights: 6.1 MB (hidden 256) 1.18x, 13.5 MB (hidden 384) 0.91x, 57 MB (hidden 576, 4 layers) 0.64x.
 WINDOW_GROUP = 8
 WINDOW_WEIGHT_BYTES = 8 << 20
 # prefill rows per piece through all layers (cpu_layers.prefill): a piece's activations stay in cache between kernels

@@ -13,6 +13,10 @@
  *                       or SwiGLU applied in the epilogue
  *   miles_decode_step   one decode step's embedding, layers and final norm in one OpenMP region (the kernels
  *                       above, phase by phase)
+ *   miles_logits        the lm_head's logits, four vocabulary rows at a time
+ *   miles_decode_window a whole window of K steps in one call, the rows in groups of G: one thread takes a group
+ *                       through every step (embedding, layers, final norm, logits, draw), so that its K/V stays in
+ *                       the cache and no thread waits for another
  *   miles_write_back    a decode window's new K/V columns into the paged cache; miles_gather the other way
  *   miles_prefill_rope  a prefill layer's q/k norm and rotary, in place, and its K/V into the paged cache
  *   miles_prefill_attn  a prefill layer's causal attention over the pages, per (sequence, KV head)
@@ -512,10 +516,12 @@ void miles_gemm(const float *x, int64_t ldx, const float *wt, const float *add, 
 /* ---------------------------------------------------------------- the window's K/V into the pages */
 /* After a decode window of K steps: columns t0 .. t0 + K - 1 of the window buffer, kb [L, NS, Hk, cap / 16, D, 16]
    and v [L, NS, Hk, cap, D] (NS buffer rows), into the paged cache kv [L, 2, S, Hk, D]: row b (buffer row slot[b]) step
-   j (position t = pos0[b] + j) at slot tables[b, min(t / P, W - 1)] * P + t % P (tables int32 [B, W], pages of P). */
+   j (position t = pos0[b] + j) at slot tables[b, min(t / P, W - 1)] * P + t % P (tables int32 [B, W], pages of P); a
+   column whose page is the padding page 0 (a request's tokens past its end) is not written. */
 void miles_write_back(const float *kb, const float *v, float *kv, const int32_t *tables, int64_t W, int64_t P,
                       const int64_t *pos0, const int64_t *slot, int64_t L, int64_t B, int64_t NS, int64_t Hk, int64_t D,
                       int64_t cap, int64_t S, int64_t t0, int64_t K) {
+#pragma omp parallel for collapse(2) schedule(static) if (L * B * K * Hk * D >= 65536)
   for (int64_t l = 0; l < L; ++l)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t g = 0; g < Hk; ++g) {
@@ -523,6 +529,7 @@ void miles_write_back(const float *kb, const float *v, float *kv, const int32_t 
         const float *kh = kb + head * cap * D, *vh = v + head * cap * D;
         for (int64_t j = 0; j < K; ++j) {
           const int64_t t = t0 + j, p = pos0[b] + j, page = p / P < W - 1 ? p / P : W - 1;
+          if (tables[b * W + page] == 0) continue; /* the padding page (blocks.py): never read, and rows share it */
           const int64_t at = (int64_t)tables[b * W + page] * P + p % P;
           float *kd = kv + ((l * 2 * S + at) * Hk + g) * D, *vd = kd + S * Hk * D;
           const float *src = kh + (t / 16) * 16 * D + t % 16;
