@@ -4,7 +4,7 @@ buffer handling is for. The built-in engine on ``rollout_bench.py``'s CPU model 
 and prints the wall time of each run and how many times the window gathered a whole new K/V buffer from the pages
 (``CpuDecoder._gather``) and how long that took::
 
-    python benchmarks/cpu_join_bench.py [--runs 3] [--cpu-kernels auto|torch]
+    python benchmarks/cpu_join_bench.py [--runs 3] [--cpu-kernels auto|torch] [--step-by-step]
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--cpu-kernels", choices=rb.CPU_KERNELS, default="auto")
+    ap.add_argument("--step-by-step", action="store_true", help="no window in one call (cpu_layers.window_group)")
     args = ap.parse_args()
     a = argparse.Namespace(**rb.PRESETS["cpu"])
     model = rb.cpu_model()
     core = rb.EngineCore(model, rb.EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=512, cpu_kernels=args.cpu_kernels))
+    core._cpu.whole_window = not args.step_by_step
 
     spent = [0.0, 0]
     gather = cpu_decode.CpuDecoder._gather

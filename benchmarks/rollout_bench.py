@@ -151,6 +151,7 @@ def main() -> None:
     ap.add_argument("--no-graph-sampling", action="store_true", help="engine: sample outside the decode step's CUDA graph")
     ap.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="auto",
                     help="engine on CPU: the C kernels of cpu_native.c (prefill, decode window, sampling) or torch ops")
+    ap.add_argument("--cpu-step-by-step", action="store_true", help="engine on CPU: no decode window in one C call, step by step")
     ap.add_argument("--no-fused-attention", action="store_true", help="engine: the q/k/v prologue as its own kernel, not inside decode attention")
     ap.add_argument("--attention", default=None, help="engine: the paged decode kernel's launch, BLOCK_N,WARPS "
                     "(default: triton_decode.BLOCK_N, NUM_WARPS)")
@@ -202,6 +203,7 @@ def main() -> None:
     elif dev.type == "cpu":
         cfg.decode_steps = 8
     core = EngineCore(model, cfg)
+    core._cpu.whole_window = not args.cpu_step_by_step
     if args.attention:
         bn, w = (int(x) for x in args.attention.split(","))
         core.runner.attn_launch = dict(block_n=bn, num_warps=w)
@@ -256,7 +258,8 @@ def main() -> None:
     print(f"engine: triton decode {run['use_triton']}, fused layer kernels {run['fused_kernels']}, split-K {run['splitk']}, "
           f"gated {run['gated']}, fused attention {cfg.fused_attention}, attention launch {getattr(core.runner, 'attn_launch', None) or 'default'}, PDL {run['pdl']} (prefetch {cfg.pdl_prefetch}), "
           f"cuda graphs {run['use_graphs']} (sampling inside {cfg.graph_sampling}), decode steps/sync {cfg.decode_steps}, overlapped windows {cfg.overlap_windows}, kernels {ops}"
-          + (f", CPU window kernels {'native (cpu_native.c)' if core._cpu._native else 'torch'}" if dev.type == "cpu" else ""))
+          + (f", CPU window kernels {'native (cpu_native.c)' if core._cpu._native else 'torch'}"
+             f"{', step by step' if args.cpu_step_by_step else ''}" if dev.type == "cpu" else ""))
     head = f"{'batch':>6} | {'engine tok/s':>12} | {'HF tok/s':>10} | {'speedup':>8} | {'roofline':>8} | identical"
     print(head + "\n" + "-" * len(head))
     for r in rows:
