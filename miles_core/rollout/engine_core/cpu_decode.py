@@ -340,9 +340,8 @@ class CpuDecoder:
         tok = tokens
         if group:  # the whole window in one call: each row group through every step, drawn inside it
             st = sample.st
-            tw, lw = nat.decode_window(tok.contiguous(), embed, *whole, fn[1:], head_w.t(), cos_t, sin_plain, pos0, slot_t, mask2d,
-                                       t0, scale, st.temperature, st.seeds, sample.counters, k, group, h, hk, d, bufs[1].shape[1])
-            toks, lps = list(tw.unbind(1)), list(lw.unbind(1))
+            out = nat.decode_window(tok.contiguous(), embed, *whole, fn[1:], head_w.t(), cos_t, sin_plain, pos0, slot_t, mask2d,
+                                    t0, scale, st.temperature, st.seeds, sample.counters, k, group, h, hk, d, bufs[1].shape[1])
         for j in range(0 if group else k):  # else step by step
             routed = []
             if whole is not None:  # embedding, layers and final norm in one call
@@ -400,7 +399,9 @@ class CpuDecoder:
                 self.rows[i], self.next_pos[i] = r, n + k
         else:
             self.rows, self.next_pos = list(reqs), [x + k for x in positions]
-        return WindowOut(torch.stack(toks, 1), torch.stack(lps, 1), tops, routes)
+        if not group:
+            out = (torch.stack(toks, 1), torch.stack(lps, 1))
+        return WindowOut(*out, tops, routes)
 
 
 class NativeDraw:
