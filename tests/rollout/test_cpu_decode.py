@@ -260,3 +260,33 @@ def test_requests_joining_take_the_rows_of_finished_ones_without_a_gather():
     assert_same(got, ref)
     assert gathers == [2]  # the first batch's buffer only
     assert placed[0] == [0, 1] and len(placed) == 4 and all(len(s) == 1 for s in placed[1:])  # three joined a free row
+
+
+def test_a_joining_request_with_a_longer_context_extends_the_buffer_without_a_gather():
+    """Kernels' layout, 2 rows at a time: a request whose prompt (25 tokens) is longer than the buffer's filled columns
+    joins into a finished row; the filled columns are extended to its context (zeroed and masked for the other row)
+    instead of a new buffer being gathered for the batch; tokens and logprobs as the generic path's."""
+    model = model_for("native", 1)
+    long_prompt = [(7 * i + 3) % 70 + 1 for i in range(25)]
+    script = [([5, 6], SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)),
+              ([8, 1, 9], SamplingParams(max_new_tokens=20, temperature=0.8, seed=2, ignore_eos=True)),
+              (long_prompt, SamplingParams(max_new_tokens=10, temperature=0.9, seed=5, ignore_eos=True))]
+
+    def serve(window: bool, spy: bool = False):
+        core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3, max_num_seqs=2, cpu_decode_window=window))
+        gathers, fills = [], []
+        if spy:
+            gather, fill = core._cpu._gather, core._cpu._fill_to
+            core._cpu._gather = lambda *a: (gathers.append(a[0].shape[0]), gather(*a))[1]
+            core._cpu._fill_to = lambda top: (fills.append((core._cpu.used, top)), fill(top))[1]
+        reqs = [core.add_request(p, params)[0] for p, params in script]
+        while core.has_unfinished():
+            core.step()
+        return reqs, gathers, fills
+
+    got, gathers, fills = serve(True, spy=True)
+    ref, _, _ = serve(False)
+    assert_same(got, ref)
+    assert [len(r.output_ids) for r in got] == [4, 20, 10]
+    assert gathers == [2]  # the first batch's buffer only
+    assert any(top > used for used, top in fills), fills  # the long prompt's context went past the filled columns

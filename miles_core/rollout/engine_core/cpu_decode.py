@@ -148,9 +148,9 @@ class CpuDecoder:
         """With the fused kernels' layout, the buffer row of each request, which the kernels take as an index: a
         request already in the buffer where it left off keeps its row; one new to it (just prefilled, or resumed)
         takes a row that no request of ``reqs`` holds (one that has finished), its context gathered there from
-        the pages and its mask row set. None where that cannot be done (no buffer in this layout, fewer free rows
-        than new requests, or a new request's context longer than the buffer's filled columns): the caller then
-        gathers a new buffer. Rows that finish so cost no copy, and a request that joins costs only its own
+        the pages and its mask row set (the filled columns first extended to its context where it is longer:
+        :meth:`_fill_to`). None where that cannot be done (no buffer in this layout, or fewer free rows than new
+        requests): the caller then gathers a new buffer. Rows that finish so cost no copy, and a request that joins costs only its own
         context."""
         if not self.blocked:
             return None
@@ -161,8 +161,9 @@ class CpuDecoder:
         if not new:
             return slots
         free = sorted(set(range(len(self.rows))) - set(slots))
-        if len(free) < len(new) or max(positions[j] for j in new) > self.used:
+        if len(free) < len(new):
             return None
+        self._fill_to(max(positions[j] for j in new))
         for j, i in zip(new, free):
             slots[j] = i
         run, hk = self.runner, self.runner.kv_heads
@@ -174,6 +175,20 @@ class CpuDecoder:
             mask[slots[j]] = 0.0
             mask[slots[j], :, positions[j] : self.used] = float("-inf")
         return slots
+
+    def _fill_to(self, top: int) -> None:
+        """Make the buffer's filled columns ``[0, top)`` when ``top`` is past them (a joining request's context is
+        longer): the columns between are zeroed and masked for every row (they hold none of the rows' context), as a
+        new buffer gathered for all rows would have them."""
+        u = self.used
+        if top <= u:
+            return
+        self._ensure_room(top - u)
+        for c in range(u, top):  # keys in blocks of 16 columns: column c is lane c % 16 of block c // 16
+            self.k[:, :, :, c // KEY_BLOCK, :, c % KEY_BLOCK] = 0.0
+        self.v[:, :, :, u:top] = 0.0
+        self.mask[..., u:top] = float("-inf")
+        self.used = top
 
     def _keep_rows(self, reqs: list, positions: list[int]) -> bool:
         """Torch ops' layout: when ``reqs`` are some of the kept buffer's rows where they left off (others
