@@ -16,7 +16,8 @@ leaves each step only the model's own ops:
   and kept for the next window while the same requests decode on (the common case: a batch of
   rollouts). With the fused kernels, which take each row's buffer row as an index, a request that
   finishes just leaves its row, and one that joins takes a free row with only its own context
-  gathered (``_place``); with the torch ops, the rows left are selected (``_keep_rows``) and a join
+  gathered (``_place``; where that context is longer than the buffer's filled columns, they are
+  extended for every row first: ``_fill_to``); with the torch ops, the rows left are selected (``_keep_rows``) and a join
   gathers the buffer again;
 * the rotary tables and the page slots of the ``K`` new tokens are built once per window (the fused
   kernels look both up themselves); after its last step the new K/V go into the paged cache with one
