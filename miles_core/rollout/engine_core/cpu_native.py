@@ -295,6 +295,9 @@ class NativeKernels:
         arguments as :meth:`decode_step`'s and :meth:`sample`'s, every tensor contiguous. Returns (tokens [B,
         steps] int64, logprobs [B, steps]), the same bits as those calls made step by step."""
         b, (v, hidden) = tok.shape[0], head.shape
+        tensors = (tok, embed, ptrs, eps, final_norm[0], head, cos_t, sin_t, pos, slot, mask, temperature, seeds, counters)
+        assert all(t.is_contiguous() for t in tensors) and temperature.dtype == torch.float32
+        assert all(t.dtype == torch.int64 and t.shape == (b,) for t in (tok, pos, slot, seeds, counters)) and group >= 1
         toks, lps = torch.empty(b, steps, dtype=torch.int64), torch.empty(b, steps)
         self._window(tok.data_ptr(), embed.data_ptr(), ptrs.data_ptr(), eps.data_ptr(), ptrs.shape[0], final_norm[0].data_ptr(),
                      final_norm[1], head.data_ptr(), v, cos_t.data_ptr(), sin_t.data_ptr(), head_dim, pos.data_ptr(),
