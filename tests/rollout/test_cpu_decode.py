@@ -230,6 +230,24 @@ def test_window_with_a_non_reference_rope_op_and_in_bf16():
         assert torch.allclose(torch.tensor(g.logprobs[: same + 1]), torch.tensor(r.logprobs[: same + 1]), atol=0.1, rtol=0)
 
 
+def serve_two_at_a_time(model, script: list, window: bool, spy: bool = False):
+    """``script``'s requests served 2 at a time (max_num_seqs); with ``spy`` (the kernels' layout) also recorded: the
+    rows of each new buffer gathered for the batch, the buffer rows each join's context was gathered into, and each
+    extension of the filled columns as (filled, wanted)."""
+    core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3, max_num_seqs=2, cpu_decode_window=window))
+    gathers, placed, fills = [], [], []
+    if spy:
+        dec, nat = core._cpu, core._cpu._lib()
+        gather, into_rows, fill = dec._gather, nat.gather, dec._fill_to
+        dec._gather = lambda *a: (gathers.append(a[0].shape[0]), gather(*a))[1]
+        nat.gather = lambda kv, tables, page, slot, *a: (placed.append(slot.tolist()), into_rows(kv, tables, page, slot, *a))[1]
+        dec._fill_to = lambda top: (fills.append((dec.used, top)), fill(top))[1]
+    reqs = [core.add_request(p, params)[0] for p, params in script]
+    while core.has_unfinished():
+        core.step()
+    return reqs, gathers, placed, fills
+
+
 def test_requests_joining_take_the_rows_of_finished_ones_without_a_gather():
     """Kernels' layout, 2 rows at a time (max_num_seqs): as each request finishes the next waiting one is prefilled
     and takes the finished one's buffer row (its context gathered into that row alone, its mask row reset), with
@@ -242,21 +260,8 @@ def test_requests_joining_take_the_rows_of_finished_ones_without_a_gather():
               (P[1], SamplingParams(max_new_tokens=12, temperature=0.9, seed=3)),
               ([8, 1, 9], SamplingParams(max_new_tokens=7, temperature=0.7, seed=4))]
 
-    def serve(window: bool, spy: bool = False):
-        core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3, max_num_seqs=2, cpu_decode_window=window))
-        gathers, placed = [], []
-        if spy:
-            gather, nat = core._cpu._gather, core._cpu._lib()
-            core._cpu._gather = lambda *a: (gathers.append(a[0].shape[0]), gather(*a))[1]
-            into_rows = nat.gather
-            nat.gather = lambda kv, tables, page, slot, *a: (placed.append(slot.tolist()), into_rows(kv, tables, page, slot, *a))[1]
-        reqs = [core.add_request(p, params)[0] for p, params in script]
-        while core.has_unfinished():
-            core.step()
-        return reqs, gathers, placed
-
-    got, gathers, placed = serve(True, spy=True)
-    ref, _, _ = serve(False)
+    got, gathers, placed, _ = serve_two_at_a_time(model, script, True, spy=True)
+    ref, *_ = serve_two_at_a_time(model, script, False)
     assert_same(got, ref)
     assert gathers == [2]  # the first batch's buffer only
     assert placed[0] == [0, 1] and len(placed) == 4 and all(len(s) == 1 for s in placed[1:])  # three joined a free row
@@ -272,20 +277,8 @@ def test_a_joining_request_with_a_longer_context_extends_the_buffer_without_a_ga
               ([8, 1, 9], SamplingParams(max_new_tokens=20, temperature=0.8, seed=2, ignore_eos=True)),
               (long_prompt, SamplingParams(max_new_tokens=10, temperature=0.9, seed=5, ignore_eos=True))]
 
-    def serve(window: bool, spy: bool = False):
-        core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3, max_num_seqs=2, cpu_decode_window=window))
-        gathers, fills = [], []
-        if spy:
-            gather, fill = core._cpu._gather, core._cpu._fill_to
-            core._cpu._gather = lambda *a: (gathers.append(a[0].shape[0]), gather(*a))[1]
-            core._cpu._fill_to = lambda top: (fills.append((core._cpu.used, top)), fill(top))[1]
-        reqs = [core.add_request(p, params)[0] for p, params in script]
-        while core.has_unfinished():
-            core.step()
-        return reqs, gathers, fills
-
-    got, gathers, fills = serve(True, spy=True)
-    ref, _, _ = serve(False)
+    got, gathers, _, fills = serve_two_at_a_time(model, script, True, spy=True)
+    ref, *_ = serve_two_at_a_time(model, script, False)
     assert_same(got, ref)
     assert [len(r.output_ids) for r in got] == [4, 20, 10]
     assert gathers == [2]  # the first batch's buffer only

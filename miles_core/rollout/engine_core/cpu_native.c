@@ -228,12 +228,6 @@ static void attend(const float *q, const float *kb, const float *v, const float 
   }
 }
 
-/* One layer's attention for one decode step of B rows.
-   qkv [B, qkv_stride]: q heads (H * D), k heads (Hk * D), v heads (Hk * D) of each row (q and k before norm and
-   rotary); cos, sin: row b's at cos + b * cs_stride, or with pos (int64 [B]) the table row pos[b] + pos_off;
-   q_w, k_w: per-head RMSNorm weights [D] or NULL; slot (int64 [B]) or NULL: row b's buffer row (and mask row), else b;
-   kb [B, Hk, cap / 16, D, 16], v [B, Hk, cap, D]: the window buffer, column col gets the new K/V;
-   mask [B * Hk, cap]; out [B, H * D]. Attends over columns [0, col]. */
 /* One row of one layer's decode step: the row's q/k/v in row (q and k before norm and rotary), its rotary tables c,
    sn, its buffer row sb; the new K/V into column col, attention over columns [0, col] into out [H * D]. s: scratch of
    R * round16(col + 1) + H * D + D floats. */
