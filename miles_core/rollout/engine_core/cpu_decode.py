@@ -392,7 +392,7 @@ class CpuDecoder:
                     x = x + torch.mm(o.view(b, nq), o_w)
                     x = cpu_layers.mlp_residual(x, ln2[0](x, ln2[1], ln2[2]), mlp, gate_up, act, down_w, run, routed)
                 xn = fn[0](x, fn[1], fn[2])
-            logits = torch.mm(xn, head_w)
+            logits = cpu_layers.logits(self._native if nplan is not None else None, xn, head_w)
             tok, lp, top = sample(logits, j)
             toks.append(tok)
             lps.append(lp)

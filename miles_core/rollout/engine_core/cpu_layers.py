@@ -41,6 +41,10 @@ WINDOW_GROUP = 8
 WINDOW_WEIGHT_BYTES = 8 << 20
 # prefill rows per piece through all layers (cpu_layers.prefill): a piece's activations stay in cache between kernels
 PREFILL_ROWS = 512
+# rows up to which the lm_head's logits are cpu_native.c's (logits) instead of MKL's: with SmolLM2-135M's head (49152 x
+# 576, fp32; 2 cores, 2026-12-07) the C kernel took 0.49x / 0.33x / 0.45x / 0.58x / 0.70x / 0.92x of torch.mm's time at
+# 1 / 4 / 8 / 16 / 32 / 64 rows (benchmarks/cpu_step_breakdown.py shows it in the engine)
+LOGITS_ROWS = 64
 
 
 def mlp_residual(x: torch.Tensor, hn: torch.Tensor, mlp, gate_up, act, down_w, run, routed: list) -> torch.Tensor:
@@ -100,6 +104,15 @@ def window_group(nplan: list, rows: int, head: torch.Tensor) -> int:
     if sum(w.numel() * w.element_size() for w in weights) > WINDOW_WEIGHT_BYTES:
         return 0
     return max(1, min(WINDOW_GROUP, -(-rows // torch.get_num_threads())))
+
+
+def logits(nat: NativeKernels | None, xn: torch.Tensor, head_w: torch.Tensor) -> torch.Tensor:
+    """The lm_head's logits [M, V] of the final-normed rows ``xn`` [M, hidden], ``head_w`` = lm_head^T (a view of the
+    weight [V, hidden]): the C kernel's up to ``LOGITS_ROWS`` rows where the weight is contiguous, else ``torch.mm``."""
+    head = head_w.t()
+    if nat is None or xn.shape[0] > LOGITS_ROWS or not head.is_contiguous():
+        return torch.mm(xn, head_w)
+    return nat.logits(xn.contiguous(), head, torch.empty(xn.shape[0], head.shape[0]))
 
 
 def gemm_ok(nplan: list, rows: int) -> bool:
@@ -193,4 +206,4 @@ def prefill(nat: NativeKernels, nplan: list, run, rope_tables: tuple, final_norm
     if not logits_index.numel():
         return None, routes
     last = x.index_select(0, logits_index)
-    return torch.mm(nat.rmsnorm(last, final_norm[1], final_norm[2], torch.empty_like(last)), head_w), routes
+    return logits(nat, nat.rmsnorm(last, final_norm[1], final_norm[2], torch.empty_like(last)), head_w), routes

@@ -13,7 +13,7 @@
  *                       or SwiGLU applied in the epilogue
  *   miles_decode_step   one decode step's embedding, layers and final norm in one OpenMP region (the kernels
  *                       above, phase by phase)
- *   miles_logits        the lm_head's logits, four vocabulary rows at a time
+ *   miles_logits        the lm_head's logits, in register tiles of 4 rows x 6 vocabulary rows
  *   miles_decode_window a whole window of K steps in one call, the rows in groups of G: one thread takes a group
  *                       through every step (embedding, layers, final norm, logits, draw), so that its K/V stays in
  *                       the cache and no thread waits for another
@@ -396,25 +396,45 @@ void miles_sample(const float *logits, int64_t row_stride, const float *temperat
 
 /* ---------------------------------------------------------------- logits */
 /* out[r, v] = x[r] . head[v] for rows r < M of x [M, hidden] (contiguous), vocabulary rows v0 <= v < v1 of head
-   [V, hidden] (the lm_head weight as stored, contiguous), out [M, V]: four vocabulary rows at a time (they stay in L1
-   while every x row passes), each dot summed in 16 lanes, then across them. */
+   [V, hidden] (the lm_head weight as stored, contiguous), out [M, V]. Tiles of up to 4 x rows by 6 vocabulary rows:
+   per 16 columns of hidden, 4 + 6 vector loads and 24 multiply-adds into registers; the 6 vocabulary rows stay in L1
+   while every row tile passes. Each dot is summed in 16 lanes (lane i over columns i, i + 16, ...), then across the
+   lanes, then the tail columns: the same order whatever the tile, so the same bits for any M and range. */
+static inline __attribute__((always_inline)) void logits_tile(const float *x, const float *w, float *out, int64_t V,
+                                                            int64_t hidden, int64_t RC, int64_t NV) {
+  const int64_t hv = hidden & ~(int64_t)15;
+  v16 acc[4][6];
+  for (int64_t r = 0; r < RC; ++r)
+    for (int64_t u = 0; u < NV; ++u) acc[r][u] = (v16){0};
+  for (int64_t i = 0; i < hv; i += 16) {
+    v16 wv[6];
+    for (int64_t u = 0; u < NV; ++u) wv[u] = ld(w + u * hidden + i);
+    for (int64_t r = 0; r < RC; ++r) {
+      const v16 xv = ld(x + r * hidden + i);
+      for (int64_t u = 0; u < NV; ++u) acc[r][u] += xv * wv[u];
+    }
+  }
+  for (int64_t r = 0; r < RC; ++r)
+    for (int64_t u = 0; u < NV; ++u) {
+      float sum = hsum(acc[r][u]);
+      for (int64_t i = hv; i < hidden; ++i) sum += x[r * hidden + i] * w[u * hidden + i];
+      out[r * V + u] = sum;
+    }
+}
+
 static void logits_rows(const float *x, int64_t M, const float *head, float *out, int64_t V, int64_t hidden, int64_t v0,
                         int64_t v1) {
-  const int64_t hv = hidden & ~(int64_t)15;
-  for (int64_t v = v0; v < v1; v += 4) {
-    const int64_t nv = v1 - v < 4 ? v1 - v : 4;
-    const float *w = head + v * hidden;
-    for (int64_t r = 0; r < M; ++r) {
-      const float *xr = x + r * hidden;
-      v16 acc[4] = {{0}, {0}, {0}, {0}};
-      for (int64_t i = 0; i < hv; i += 16) {
-        const v16 xv = ld(xr + i);
-        for (int64_t u = 0; u < nv; ++u) acc[u] += xv * ld(w + u * hidden + i);
-      }
-      for (int64_t u = 0; u < nv; ++u) {
-        float sum = hsum(acc[u]);
-        for (int64_t i = hv; i < hidden; ++i) sum += xr[i] * w[u * hidden + i];
-        out[r * V + v + u] = sum;
+  for (int64_t v = v0; v < v1; v += 6) {
+    const int64_t nv = v1 - v < 6 ? v1 - v : 6;
+    for (int64_t r = 0; r < M; r += 4) {
+      const int64_t rc = M - r < 4 ? M - r : 4;
+      const float *xr = x + r * hidden, *w = head + v * hidden;
+      float *o = out + r * V + v;
+      switch (rc * 8 + nv) {
+#define LT(RC, NV) case RC * 8 + NV: logits_tile(xr, w, o, V, hidden, RC, NV); break;
+        LT(1, 1) LT(1, 2) LT(1, 3) LT(1, 4) LT(1, 5) LT(1, 6) LT(2, 1) LT(2, 2) LT(2, 3) LT(2, 4) LT(2, 5) LT(2, 6)
+        LT(3, 1) LT(3, 2) LT(3, 3) LT(3, 4) LT(3, 5) LT(3, 6) LT(4, 1) LT(4, 2) LT(4, 3) LT(4, 4) LT(4, 5) LT(4, 6)
+#undef LT
       }
     }
   }
