@@ -248,19 +248,28 @@ def test_sampler_matches_sample_torch(nat, b, vocab, sampled):
 @pytest.mark.parametrize("m,k,n", [(1, 32, 32), (7, 128, 80), (5, 64, 96), (64, 128, 768), (13, 384, 144), (130, 64, 256)])
 def test_gemm_matches_torch(nat, m, k, n):
     """The decode GEMM (6-row tiles, 64-column groups: row and column tails here) against torch.mm: plain, with the
-    residual added in place, and with SwiGLU in the epilogue (gate = the first n / 2 columns)."""
+    residual added in place, and with SwiGLU in the epilogue (gate = the first n / 2 columns); the weights as W^T and
+    in panels (NativeKernels.pack, a last panel part zeros here for n = 80, 144 and SwiGLU's 48 columns) give the same
+    bits."""
     g = torch.Generator().manual_seed(m * n)
     x = torch.randn(m, k + 3, generator=g)[:, :k]  # rows strided
     wt = torch.randn(n, k, generator=g).t().contiguous() / k**0.5
     ref = torch.mm(x, wt)
-    assert torch.allclose(nat.gemm(x, wt, torch.full((m, n), float("nan"))), ref, atol=1e-5, rtol=1e-5)
+    panels = nat.pack(wt)
+    assert panels.shape == cpu_native.panels_shape(k, n, False) == (-(-n // 64), k, 64)
+    out = nat.gemm(x, wt, torch.full((m, n), float("nan")))
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(nat.gemm(x, panels, torch.full((m, n), float("nan"))), out)
     res = torch.randn(m, n, generator=g)
     expect = res + ref
-    assert torch.allclose(nat.gemm(x, wt, res, add=res), expect, atol=1e-5, rtol=1e-5)
+    out = nat.gemm(x, wt, res.clone(), add=res)
+    assert torch.allclose(out, expect, atol=1e-5, rtol=1e-5)
+    assert torch.equal(nat.gemm(x, panels, res, add=res), out)  # the residual added in place
     if n % 32 == 0:
         gate, up = ref.chunk(2, -1)
         out = nat.gemm(x, wt, torch.full((m, n // 2), float("nan")), swiglu=True)
         assert torch.allclose(out, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+        assert torch.equal(nat.gemm(x, nat.pack(wt, swiglu=True), torch.full((m, n // 2), float("nan")), swiglu=True), out)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -387,6 +396,29 @@ def test_engine_window_in_one_call_matches_step_by_step(nat, tmp_path):
     for a, b in zip(results[True], results[False]):
         assert a.output_ids == b.output_ids and len(a.output_ids) == b.params.max_new_tokens
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_engine_with_and_without_weight_panels_gives_the_same_bits(nat, tmp_path, monkeypatch):
+    """The engine with its GEMM weights in panels (the default up to cpu_layers.PACK_WEIGHT_BYTES) and reading W^T
+    (above it): the same tokens and logprobs, bit for bit, through prefill, decode windows in one call and step by
+    step."""
+    make_hf_model("qwen3", tmp_path, head_dim=16)
+    model = load_miles(tmp_path)
+    prompts = [[5, 17, 3, 44, 9, 21, 60, 2, 11], [7, 70, 33], list(range(1, 30))]
+    params = [SamplingParams(max_new_tokens=13, temperature=0), SamplingParams(max_new_tokens=9, temperature=0.9, seed=4),
+              SamplingParams(max_new_tokens=11, temperature=0)]
+    results = {}
+    for cap, one_call in ((2 << 30, True), (2 << 30, False), (0, True), (0, False)):
+        monkeypatch.setattr(cpu_layers, "PACK_WEIGHT_BYTES", cap)
+        core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3, cpu_kernels="native"))
+        core._cpu.whole_window = one_call
+        reqs = [r for p, sp in zip(prompts, params) for r in core.add_request(p, sp, n=2)]
+        while core.has_unfinished():
+            core.step()
+        *_, nplan = core._cpu._window_statics()
+        assert all((layer.panels is not None) == (cap > 0) for layer in nplan)
+        results[cap, one_call] = [(r.output_ids, r.logprobs) for r in reqs]
+    assert all(out == results[2 << 30, True] for out in results.values())
 
 
 def test_prefill_pieces_cut_the_rows_in_order():

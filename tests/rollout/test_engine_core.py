@@ -154,23 +154,29 @@ def test_stop_token_and_stop_string_and_length():
 
 
 def test_update_weights_in_place_from_tensors_and_disk(tmp_path):
+    """Weights copied in place; on CPU (head_dim 16: the C kernels run) the GEMM weights' panel copies, built by the
+    first generation, are remade from the new weights."""
     from miles_core.models.checkpoint import save_hf_folder
     from miles_core.plugins.manager import MilesPlugins
 
-    core = engine(model=tiny(0))
-    new = tiny(1)
+    core = engine(model=tiny(0, head_dim=16))
     greedy = SamplingParams(max_new_tokens=8, temperature=0)
-    before = alone(P1, greedy).output_ids
+    (first,) = core.add_request(P1, greedy)
+    drain(core)
+    before = first.output_ids
+    if core._cpu._native:
+        *_, nplan = core._cpu._window_statics()
+        assert all(layer.panels is not None for layer in nplan)
     ptr = core.model.lm_head.weight.data_ptr()
-    core.update_weights(new.state_dict(), version=7)
+    core.update_weights(tiny(1, head_dim=16).state_dict(), version=7)
     assert core.model.lm_head.weight.data_ptr() == ptr  # in place (CUDA graphs stay valid)
     (r,) = core.add_request(P1, greedy)
     drain(core)
-    e_core = EngineCore(tiny(1), EngineConfig(block_size=4))
+    e_core = engine(model=tiny(1, head_dim=16))
     (e,) = e_core.add_request(P1, greedy)
     drain(e_core)
     assert r.output_ids == e.output_ids != before and r.weight_version == 7
-    save_hf_folder(tiny(0), MilesPlugins().registries.model_families.get("llama"), tmp_path / "ckpt")
+    save_hf_folder(tiny(0, head_dim=16), MilesPlugins().registries.model_families.get("llama"), tmp_path / "ckpt")
     core.update_weights_from_disk(tmp_path / "ckpt", version=8)
     (back,) = core.add_request(P1, greedy)
     drain(core)

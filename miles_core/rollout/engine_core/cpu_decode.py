@@ -95,7 +95,7 @@ class CpuDecoder:
         if kernels == "native" and runner.device.type == "cpu":  # asked for: a build error shows at start-up
             self._native = NativeKernels.load(kernels)
         self.whole_window = True  # a window in one call where it runs (cpu_layers.window_group); False: step by step
-        self._statics_key: tuple = ()
+        self._statics_key: tuple = ((), ())  # (what _window_statics was built from, compared by identity; weight versions)
         self._statics: tuple = ()
         self.reset()
 
@@ -228,13 +228,18 @@ class CpuDecoder:
     def _window_statics(self) -> tuple:
         """What every window uses and no token changes: the layer plans, the rotary
         tables of every position (``model._rope``, [P, 1, D]; sin with its first half negated for
-        ``_rope_rolled``), the final norm and ``lm_head^T``. Rebuilt when the fused weight lists
-        (:meth:`~.runner.ModelRunner.fuse`) or an op change."""
+        ``_rope_rolled``), the final norm, ``lm_head^T`` and the kernels' plan (its weight panels are copies).
+        Rebuilt when the fused weight lists (:meth:`~.runner.ModelRunner.fuse`) or an op change, or a weight changes
+        in place (its version counter, which every view of it shares: ``update_weights``' ``copy_``)."""
         run, model = self.runner, self.runner.model
         layers = model.model.layers
-        key = (run.qkv, run.gate_up, model.lm_head.weight, *(layer.self_attn.rope for layer in layers))
-        old = self._statics_key
-        if not (len(key) == len(old) and all(a is b for a, b in zip(key, old))):
+        versions = tuple(w._version for w in (*run.qkv, *(g for g in run.gate_up if g is not None),
+                                              *(p for layer in layers for p in (layer.self_attn.o_proj.weight,
+                                                                                getattr(layer.mlp, "down_proj", None))
+                                                if p is not None)))
+        objs = (run.qkv, run.gate_up, model.lm_head.weight, *(layer.self_attn.rope for layer in layers))
+        old, old_versions = self._statics_key
+        if not (len(objs) == len(old) and all(a is b for a, b in zip(objs, old)) and versions == old_versions):
             d = run.head_dim
             rolled = all(layer.self_attn.rope is rope_torch for layer in layers)
             cos_t, sin_t = (t.contiguous() for t in model._rope(torch.arange(run.max_blocks * run.block_size), run.dtype))  # [P, 1, D]
@@ -244,14 +249,15 @@ class CpuDecoder:
             plan = [_layer_plan(run, i, layer, rolled) for i, layer in enumerate(layers)]
             fn = _norm(model.model.norm, run.dtype)
             self._statics = (plan, (cos_t, sin_t, sin_plain), fn, model.lm_head.weight.t(), self._native_plan(plan, fn, rolled))
-            self._statics_key = key
+            self._statics_key = (objs, versions)
         return self._statics
 
-    def _native_plan(self, plan: list, final_norm: tuple, rolled: bool) -> list | None:
+    def _native_plan(self, plan: list, final_norm: tuple, rolled: bool) -> list[cpu_layers.NativeLayer] | None:
         """Per layer what the fused kernels (cpu_native.c) take, or None where they cannot run this model:
         they need fp32, the reference RMSNorm and rotary ops, one qk-norm eps, and a head_dim that is a
         multiple of 16 up to MAX_HEAD_DIM. The MLP goes through the SwiGLU kernel when the layer's is the
-        reference SwiGLU, else through the layer's own ops (MoE)."""
+        reference SwiGLU, else through the layer's own ops (MoE). The GEMM weights get their panel copies
+        where :func:`.cpu_layers.with_panels` makes them."""
         run = self.runner
         if (self._lib() is None or run.dtype != torch.float32 or not rolled or run.head_dim % 16
                 or run.head_dim > MAX_HEAD_DIM or final_norm[0] is not _rms_norm_fp32 or not final_norm[1].is_contiguous()):
@@ -263,9 +269,9 @@ class CpuDecoder:
                     or (qk_norm and qk_norm[0][2] != qk_norm[1][2])):
                 return None
             qw, kw, qk_eps = (qk_norm[0][1], qk_norm[1][1], qk_norm[0][2]) if qk_norm else (None, None, 0.0)
-            out.append((ln1[1], ln1[2], qkv_w, qw, kw, qk_eps, o_w, ln2[1], ln2[2],
-                        (mlp, gate_up, act, down_w), gate_up is not None and act is swiglu_torch))
-        return out
+            out.append(cpu_layers.NativeLayer(ln1[1], ln1[2], qkv_w, qw, kw, qk_eps, o_w, ln2[1], ln2[2],
+                                              (mlp, gate_up, act, down_w), gate_up is not None and act is swiglu_torch))
+        return cpu_layers.with_panels(self._native, out)
 
     def _lib(self) -> NativeKernels | None:
         """The fused kernels, loaded at the first use (None: ``cpu_kernels="torch"``, or they did not build)."""

@@ -3,7 +3,8 @@
 
 Each layer is RMSNorm, the q/k/v GEMM, the attention with its prologue (q/k norm, rotary, K/V write), the o_proj
 GEMM adding the residual, RMSNorm, the gate/up GEMM with SwiGLU, and the down GEMM adding the residual. Up to
-``GEMM_ROWS`` rows the GEMMs are cpu_native.c's (SwiGLU and the residual in their epilogues); above, MKL's
+``GEMM_ROWS`` rows the GEMMs are cpu_native.c's (SwiGLU and the residual in their epilogues; the weights read from
+their panel copies, :func:`with_panels`, where there are); above, MKL's
 (``torch.mm`` / ``addmm``) with a SwiGLU kernel. A MoE layer's MLP runs through the layer's own routing and
 experts. The per-layer plan (weights, eps, which MLP) is :meth:`.cpu_decode.CpuDecoder._native_plan`'s. A decode
 step of dense layers runs as one C call (``NativeKernels.decode_step``, arguments from :func:`step_args`);
@@ -22,6 +23,7 @@ sequence's K/V once.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +47,48 @@ PREFILL_ROWS = 512
 # 576, fp32; 2 cores, 2026-12-07) the C kernel took 0.49x / 0.33x / 0.45x / 0.58x / 0.70x / 0.92x of torch.mm's time at
 # 1 / 4 / 8 / 16 / 32 / 64 rows (benchmarks/cpu_step_breakdown.py shows it in the engine)
 LOGITS_ROWS = 64
+# the most bytes of layer GEMM weights that get a second copy in cpu_native.c's panel layout (NativeKernels.pack; above,
+# the GEMMs read W^T and no memory is added). SmolLM2-135M's shapes (427 MB; 2 cores, 2026-12-07): the layer GEMMs at
+# 1-6 rows read 1.45-1.8x the bandwidth from panels. 2 GiB holds SmolLM2-360M's and Qwen3-0.6B's layers.
+PACK_WEIGHT_BYTES = 2 << 30
+
+
+class NativeLayer(NamedTuple):
+    """One layer as cpu_native.c's kernels take it (:meth:`.cpu_decode.CpuDecoder._native_plan`): the norms'
+    weights and eps, the projections as W^T views [in, out] (MKL's operand, and the C GEMM's unless ``panels``),
+    the MLP as (module, gate/up W^T or None, activation, down W^T or None), whether that is the reference SwiGLU,
+    and (q/k/v, o, gate/up, down) in the C GEMM's panel layout or None (:func:`with_panels`)."""
+
+    ln1: torch.Tensor
+    eps1: float
+    qkv: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qk_eps: float
+    o: torch.Tensor
+    ln2: torch.Tensor
+    eps2: float
+    mlp: tuple
+    swiglu: bool
+    panels: tuple | None = None
+
+    def gemm_weights(self) -> tuple:
+        """The C GEMM's operands (q/k/v, o, gate/up, down): the panels where there are, else the W^T views."""
+        return self.panels or (self.qkv, self.o, self.mlp[1], self.mlp[3])
+
+
+def with_panels(nat: NativeKernels, nplan: list[NativeLayer]) -> list[NativeLayer]:
+    """``nplan`` with every layer's GEMM weights also in the panel layout (:meth:`.cpu_native.NativeKernels.pack`):
+    where every layer is a dense SwiGLU one whose weights the C GEMM takes (:func:`gemm_ok`) and the copies stay
+    within ``PACK_WEIGHT_BYTES``; else ``nplan`` as it is. The panels are copies: the caller remakes them when a weight
+    changes."""
+    if not nplan or not all(layer.swiglu for layer in nplan) or not gemm_ok(nplan, 1):
+        return nplan
+    weights = [w for layer in nplan for w in layer.gemm_weights()]
+    if sum(w.numel() * w.element_size() for w in weights) > PACK_WEIGHT_BYTES:
+        return nplan
+    return [layer._replace(panels=tuple(nat.pack(w, swiglu=i == 2) for i, w in enumerate(layer.gemm_weights())))
+            for layer in nplan]
 
 
 def mlp_residual(x: torch.Tensor, hn: torch.Tensor, mlp, gate_up, act, down_w, run, routed: list) -> torch.Tensor:
@@ -66,8 +110,8 @@ def mlp_residual(x: torch.Tensor, hn: torch.Tensor, mlp, gate_up, act, down_w, r
 Attend = Callable[[int, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", float], torch.Tensor]
 
 
-def native_layers(nat: NativeKernels, nplan: list, x: torch.Tensor, attend: Attend, bufs: tuple, run, routed: list,
-                  own_gemm: bool) -> torch.Tensor:
+def native_layers(nat: NativeKernels, nplan: list[NativeLayer], x: torch.Tensor, attend: Attend, bufs: tuple, run,
+                  routed: list, own_gemm: bool) -> torch.Tensor:
     """The layers over the rows of ``x`` [rows, hidden]: per layer RMSNorm, the q/k/v GEMM, ``attend``, the
     o_proj GEMM with the residual added in it, RMSNorm, the gate/up GEMM with SwiGLU, the down GEMM with its
     residual. ``bufs`` (:func:`buffers`): the norm's, SwiGLU's and q/k/v's outputs, each read by the GEMM
@@ -75,32 +119,32 @@ def native_layers(nat: NativeKernels, nplan: list, x: torch.Tensor, attend: Atte
     gate/up GEMM's epilogue and the residuals added into ``x`` in place; else (a prefill) MKL's (``torch.mm``,
     ``addmm``). Returns the hidden states before the final norm."""
     h_buf, a_buf, qkv_buf = bufs
-    for i, (w1, e1, qkv_w, qw, kw, qk_eps, o_w, w2, e2, mlp_plan, swiglu) in enumerate(nplan):
-        hn = nat.rmsnorm(x, w1, e1, h_buf)
-        qkv = nat.gemm(hn, qkv_w, qkv_buf) if own_gemm else torch.mm(hn, qkv_w)
-        o = attend(i, qkv, qw, kw, qk_eps)
-        x = nat.gemm(o, o_w, x, add=x) if own_gemm else torch.addmm(x, o, o_w)
-        hn = nat.rmsnorm(x, w2, e2, h_buf)
-        mlp, gate_up, act, down_w = mlp_plan
-        if swiglu and own_gemm:
-            x = nat.gemm(nat.gemm(hn, gate_up, a_buf, swiglu=True), down_w, x, add=x)
-        elif swiglu:
+    for i, layer in enumerate(nplan):
+        qkv_c, o_c, gate_up_c, down_c = layer.gemm_weights()
+        hn = nat.rmsnorm(x, layer.ln1, layer.eps1, h_buf)
+        qkv = nat.gemm(hn, qkv_c, qkv_buf) if own_gemm else torch.mm(hn, layer.qkv)
+        o = attend(i, qkv, layer.q_norm, layer.k_norm, layer.qk_eps)
+        x = nat.gemm(o, o_c, x, add=x) if own_gemm else torch.addmm(x, o, layer.o)
+        hn = nat.rmsnorm(x, layer.ln2, layer.eps2, h_buf)
+        mlp, gate_up, act, down_w = layer.mlp
+        if layer.swiglu and own_gemm:
+            x = nat.gemm(nat.gemm(hn, gate_up_c, a_buf, swiglu=True), down_c, x, add=x)
+        elif layer.swiglu:
             x = torch.addmm(x, nat.silu_mul(torch.mm(hn, gate_up), a_buf), down_w)
         else:
             x = mlp_residual(x, hn, mlp, gate_up, act, down_w, run, routed)
     return x
 
 
-def window_group(nplan: list, rows: int, head: torch.Tensor) -> int:
+def window_group(nplan: list[NativeLayer], rows: int, head: torch.Tensor) -> int:
     """Rows per group where a decode window of ``rows`` rows runs in one call
     (:meth:`.cpu_native.NativeKernels.decode_window`: each group through every step on one thread), else 0: every
     layer a dense SwiGLU one whose weights cpu_native.c's GEMM takes, the lm_head weight ``head`` [V, hidden]
     contiguous, and all weights within ``WINDOW_WEIGHT_BYTES``. Groups of ``WINDOW_GROUP`` rows, fewer where there
     would not be one per thread."""
-    if not head.is_contiguous() or not all(swiglu for *_, swiglu in nplan) or not gemm_ok(nplan, 1):
+    if not head.is_contiguous() or not all(layer.swiglu for layer in nplan) or not gemm_ok(nplan, 1):
         return 0
-    weights = [head, *(w for w1, _, qkv_w, _, _, _, o_w, w2, _, (_, gate_up, _, down_w), _ in nplan
-                       for w in (w1, qkv_w, o_w, w2, gate_up, down_w))]
+    weights = [head, *(w for layer in nplan for w in (layer.ln1, layer.ln2, *layer.gemm_weights()))]
     if sum(w.numel() * w.element_size() for w in weights) > WINDOW_WEIGHT_BYTES:
         return 0
     return max(1, min(WINDOW_GROUP, -(-rows // torch.get_num_threads())))
@@ -115,35 +159,39 @@ def logits(nat: NativeKernels | None, xn: torch.Tensor, head_w: torch.Tensor) ->
     return nat.logits(xn.contiguous(), head, torch.empty(xn.shape[0], head.shape[0]))
 
 
-def gemm_ok(nplan: list, rows: int) -> bool:
+def gemm_ok(nplan: list[NativeLayer], rows: int) -> bool:
     """Whether :func:`native_layers` runs cpu_native.c's GEMMs for ``rows`` rows: at most ``GEMM_ROWS``, and every
     projection's ``W^T`` contiguous (runner.fuse's CPU layout) with an output width that is a multiple of 16."""
     if rows > GEMM_ROWS:
         return False
-    for _, _, qkv_w, _, _, _, o_w, _, _, (_, gate_up, _, down_w), swiglu in nplan:
-        ws = (qkv_w, o_w, gate_up, down_w) if swiglu else (qkv_w, o_w)
-        if any(not w.is_contiguous() or w.shape[1] % 16 for w in ws) or (swiglu and gate_up.shape[1] % 32):
+    for layer in nplan:
+        gate_up, down = layer.mlp[1], layer.mlp[3]
+        ws = (layer.qkv, layer.o, gate_up, down) if layer.swiglu else (layer.qkv, layer.o)
+        if any(not w.is_contiguous() or w.shape[1] % 16 for w in ws) or (layer.swiglu and gate_up.shape[1] % 32):
             return False
     return True
 
 
-def step_args(nplan: list, keys: tuple, values: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+def step_args(nplan: list[NativeLayer], keys: tuple, values: tuple) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
     """What :meth:`.cpu_native.NativeKernels.decode_step` takes for a window: per layer the weights' and the window
-    buffer's addresses [L, 10] int64 and the eps [L, 3] fp32; None where a layer's MLP is not the reference SwiGLU
-    (MoE: its routing runs in torch). The tensors behind the addresses are ``nplan``'s and the window's own."""
-    if not all(swiglu for *_, swiglu in nplan):
+    buffer's addresses [L, 10] int64, the eps [L, 3] fp32, and whether the GEMM weights are panels; None where a
+    layer's MLP is not the reference SwiGLU (MoE: its routing runs in torch). The tensors behind the addresses are
+    ``nplan``'s and the window's own."""
+    if not all(layer.swiglu for layer in nplan):
         return None
     ptrs, eps = [], []
-    for (w1, e1, qkv_w, qw, kw, qk_eps, o_w, w2, e2, (_, gate_up, _, down_w), _), kb, v in zip(nplan, keys, values):
-        ptrs.append([t.data_ptr() if t is not None else 0 for t in (w1, qkv_w, qw, kw, o_w, w2, gate_up, down_w, kb, v)])
-        eps.append([e1, e2, qk_eps])
-    return torch.tensor(ptrs, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32)
+    for layer, kb, v in zip(nplan, keys, values):
+        qkv, o, gate_up, down = layer.gemm_weights()
+        ptrs.append([t.data_ptr() if t is not None else 0
+                     for t in (layer.ln1, qkv, layer.q_norm, layer.k_norm, o, layer.ln2, gate_up, down, kb, v)])
+        eps.append([layer.eps1, layer.eps2, layer.qk_eps])
+    return torch.tensor(ptrs, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32), nplan[0].panels is not None
 
 
-def buffers(nplan: list, rows: int, hidden: int) -> tuple:
+def buffers(nplan: list[NativeLayer], rows: int, hidden: int) -> tuple:
     """The norm's, SwiGLU's and q/k/v's output buffers of :func:`native_layers` for ``rows`` rows."""
-    inter = max((mlp[1].shape[1] // 2 for *_, mlp, swiglu in nplan if swiglu), default=0)  # gate_up^T: [hidden, 2I]
-    return torch.empty(rows, hidden), torch.empty(rows, inter), torch.empty(rows, nplan[0][2].shape[1])
+    inter = max((layer.mlp[1].shape[1] // 2 for layer in nplan if layer.swiglu), default=0)  # gate_up^T: [hidden, 2I]
+    return torch.empty(rows, hidden), torch.empty(rows, inter), torch.empty(rows, nplan[0].qkv.shape[1])
 
 
 def pieces(q_lens: list[int], ctx: list[int], rows: int) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
@@ -166,7 +214,7 @@ def pieces(q_lens: list[int], ctx: list[int], rows: int) -> list[tuple[int, int,
 
 
 @torch.inference_mode()
-def prefill(nat: NativeKernels, nplan: list, run, rope_tables: tuple, final_norm: tuple, head_w: torch.Tensor,
+def prefill(nat: NativeKernels, nplan: list[NativeLayer], run, rope_tables: tuple, final_norm: tuple, head_w: torch.Tensor,
             input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, meta: AttnBatch,
             logits_index: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """:meth:`.runner.ModelRunner.prefill` through the kernels: ``input_ids``, ``positions``, ``slots`` [N]

@@ -10,7 +10,7 @@
  *                       heads over its columns [0, col] (the additive mask marks the row's context), softmax
  *                       in fp32, K/V read once per KV head for all R = H / Hk query heads of its group
  *   miles_gemm          x @ W^T for decode rows (register tiles of 6 rows x 64 columns), with the residual added
- *                       or SwiGLU applied in the epilogue
+ *                       or SwiGLU applied in the epilogue; the weights as W^T or in panels of 64 columns (miles_pack)
  *   miles_decode_step   one decode step's embedding, layers and final norm in one OpenMP region (the kernels
  *                       above, phase by phase)
  *   miles_logits        the lm_head's logits, in register tiles of 4 rows x 6 vocabulary rows
@@ -26,7 +26,8 @@
  * [B, Hk, cap, D], mask [B * Hk, cap], cap a multiple of 16. Both are read front to back, one contiguous run per
  * (row, KV head): a K transposed to [D, cap] would be read as D short runs at a stride of cap, which the CPU's
  * prefetchers follow badly (measured: 6-8 GB/s against 34 GB/s for the same bytes contiguous, one core). The paged
- * cache is runner.py's [S, Hk, D] per layer and K/V; weights are W^T [in, out] contiguous (runner.fuse's CPU layout).
+ * cache is runner.py's [S, Hk, D] per layer and K/V; weights are W^T [in, out] contiguous (runner.fuse's CPU layout), or
+ * for the GEMMs their panels (miles_pack: each 64-column group's rows one contiguous run).
  *
  * Elementwise arithmetic keeps torch's order (the build passes -ffp-contract=off): the rotary is bit-identical
  * to rope_torch; the reductions (norms, GEMM and dot-product sums, softmax sums) sum in another order, so
@@ -448,14 +449,15 @@ void miles_logits(const float *x, int64_t M, const float *head, float *out, int6
 
 
 /* ---------------------------------------------------------------- GEMM for decode rows */
-/* acc[r][v] = sum_k x[r, k] * wt[k, c_v .. c_v + 16] for RC <= 6 rows and NV <= 4 vectors of 16 columns at offsets
-   c[v]: per k, NV vector loads of wt's row k and RC broadcasts of x, RC * NV fused multiply-adds into registers */
-static inline __attribute__((always_inline)) void gemm_tile(const float *x, int64_t ldx, const float *wt, int64_t N,
+/* acc[r][v] = sum_k x[r, k] * w[k * S + c_v .. + 16] for RC <= 6 rows and NV <= 4 vectors of 16 columns at offsets
+   c[v] (S: the weight's row stride): per k, NV vector loads of the weight's row k and RC broadcasts of x, RC * NV fused
+   multiply-adds into registers */
+static inline __attribute__((always_inline)) void gemm_tile(const float *x, int64_t ldx, const float *wt, int64_t S,
                                                           int64_t K, int64_t RC, const int64_t *c, int64_t NV, v16 acc[6][4]) {
   for (int64_t r = 0; r < RC; ++r)
     for (int64_t v = 0; v < NV; ++v) acc[r][v] = (v16){0};
   for (int64_t k = 0; k < K; ++k) {
-    const float *w = wt + k * N;
+    const float *w = wt + k * S;
     v16 wv[4];
     for (int64_t v = 0; v < NV; ++v) wv[v] = ld(w + c[v]);
     for (int64_t r = 0; r < RC; ++r) {
@@ -465,25 +467,46 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *x, int6
   }
 }
 
+/* The weights' panel layout (miles_pack): W^T [K, N] as panels [G, K, 64] of 64 columns each, G = N / 64 rounded up;
+   with swiglu (N = 2 I) G = I / 32 rounded up, panel g holding the gate columns 32 g .. 32 g + 31, then the matching
+   up columns I + 32 g ..; past N (or I) zeros. A column group's 64 weights per k are then 256 contiguous bytes, its
+   K rows one contiguous run: in W^T they are 256 bytes at a stride of N floats, which the CPU's prefetchers follow
+   badly (SmolLM2-135M's layer GEMMs at 1-6 rows, 2 cores: 1.45-1.8x the bandwidth, measured 2026-12-07). */
+void miles_pack(const float *wt, float *out, int64_t K, int64_t N, int swiglu) {
+  const int64_t width = swiglu ? N / 2 : N, per = swiglu ? 32 : 64, groups = (width + per - 1) / per;
+#pragma omp parallel for schedule(static) if (K * N >= 262144)
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t k = 0; k < K; ++k) {
+      float *o = out + (g * K + k) * 64;
+      for (int64_t c = 0; c < 64; ++c) {
+        const int64_t col = g * per + c % per; /* the gate (or only) column; c >= per: its up column */
+        o[c] = col < width ? wt[k * N + col + (c >= per ? width : 0)] : 0.0f;
+      }
+    }
+}
+
 /* out = x @ wt (+ add), or with swiglu silu(x @ wt[:, :I]) * (x @ wt[:, I:]) for N = 2 I.
-   x [M, K] (row stride ldx), wt = W^T [K, N] contiguous (the CPU layout runner.fuse keeps), add [M, N] (row stride
-   ld_add; it may be out itself: each element is read, then written, by the same thread) or NULL, out [M, N] or
-   [M, I] contiguous. N (I with swiglu) must be a multiple of 16. Column groups of 64
-   (with swiglu 32 gate + the 32 matching up columns) are split over the threads, each running all row tiles of 6
-   against its group, whose weights then stay in its cache. The sums run over k in order: rounding differs from
-   MKL's blocked sums. */
+   x [M, K] (row stride ldx), wt = W^T [K, N] contiguous (the CPU layout runner.fuse keeps) or, with packed, its
+   panels (miles_pack), add [M, N] (row stride ld_add; it may be out itself: each element is read, then written, by the
+   same thread) or NULL, out [M, N] or [M, I] contiguous. N (I with swiglu) must be a multiple of 16. Column groups of
+   64 (with swiglu 32 gate + the 32 matching up columns) are split over the threads, each running all row tiles of 6
+   against its group, whose weights then stay in its cache. The sums run over k in order, in either layout (the same
+   bits): rounding differs from MKL's blocked sums. */
 static inline __attribute__((always_inline)) void gemm_block(const float *x, int64_t ldx, const float *wt, const float *add,
                                                            int64_t ld_add, float *out, int64_t M, int64_t K, int64_t N,
-                                                           int swiglu, int64_t gi, int64_t ti) {
+                                                           int swiglu, int packed, int64_t gi, int64_t ti) {
   const int64_t width = swiglu ? N / 2 : N, per = swiglu ? 32 : 64;
   const int64_t j = gi * per, r0 = ti * 6, rc = M - r0 < 6 ? M - r0 : 6;
   const int64_t nv = swiglu ? 2 * ((width - j) / 16 < 2 ? (width - j) / 16 : 2) : ((width - j) / 16 < 4 ? (width - j) / 16 : 4);
+  /* the group's weights: row stride S, its vectors at offsets c (gate, up, gate, up with swiglu) */
+  const float *w = packed ? wt + gi * K * 64 : wt;
+  const int64_t S = packed ? 64 : N, col0 = packed ? 0 : j, up = packed ? 32 : N / 2;
   int64_t c[4];
-  for (int64_t v = 0; v < nv; ++v) c[v] = swiglu ? (v % 2) * (N / 2) + j + 16 * (v / 2) : j + 16 * v;
+  for (int64_t v = 0; v < nv; ++v) c[v] = swiglu ? (v % 2) * up + col0 + 16 * (v / 2) : col0 + 16 * v;
   v16 acc[6][4];
   const float *xr = x + r0 * ldx;
   switch (rc * 8 + nv) {
-#define TILE(RC, NV) case RC * 8 + NV: gemm_tile(xr, ldx, wt, N, K, RC, c, NV, acc); break;
+#define TILE(RC, NV) case RC * 8 + NV: gemm_tile(xr, ldx, w, S, K, RC, c, NV, acc); break;
     TILE(1, 1) TILE(1, 2) TILE(1, 3) TILE(1, 4) TILE(2, 1) TILE(2, 2) TILE(2, 3) TILE(2, 4)
     TILE(3, 1) TILE(3, 2) TILE(3, 3) TILE(3, 4) TILE(4, 1) TILE(4, 2) TILE(4, 3) TILE(4, 4)
     TILE(5, 1) TILE(5, 2) TILE(5, 3) TILE(5, 4) TILE(6, 1) TILE(6, 2) TILE(6, 3) TILE(6, 4)
@@ -506,25 +529,25 @@ static inline __attribute__((always_inline)) void gemm_block(const float *x, int
 }
 
 static void gemm_for(const float *x, int64_t ldx, const float *wt, const float *add, int64_t ld_add, float *out, int64_t M,
-                     int64_t K, int64_t N, int swiglu) {
+                     int64_t K, int64_t N, int swiglu, int packed) {
   const int64_t width = swiglu ? N / 2 : N, per = swiglu ? 32 : 64, groups = (width + per - 1) / per, tiles = (M + 5) / 6;
 #pragma omp for collapse(2) schedule(static)
   for (int64_t gi = 0; gi < groups; ++gi)
-    for (int64_t ti = 0; ti < tiles; ++ti) gemm_block(x, ldx, wt, add, ld_add, out, M, K, N, swiglu, gi, ti);
+    for (int64_t ti = 0; ti < tiles; ++ti) gemm_block(x, ldx, wt, add, ld_add, out, M, K, N, swiglu, packed, gi, ti);
 }
 
 /* gemm_for's blocks, all on the calling thread (a row group of miles_decode_window) */
 static void gemm_rows(const float *x, int64_t ldx, const float *wt, const float *add, int64_t ld_add, float *out, int64_t M,
-                      int64_t K, int64_t N, int swiglu) {
+                      int64_t K, int64_t N, int swiglu, int packed) {
   const int64_t width = swiglu ? N / 2 : N, per = swiglu ? 32 : 64, groups = (width + per - 1) / per, tiles = (M + 5) / 6;
   for (int64_t gi = 0; gi < groups; ++gi)
-    for (int64_t ti = 0; ti < tiles; ++ti) gemm_block(x, ldx, wt, add, ld_add, out, M, K, N, swiglu, gi, ti);
+    for (int64_t ti = 0; ti < tiles; ++ti) gemm_block(x, ldx, wt, add, ld_add, out, M, K, N, swiglu, packed, gi, ti);
 }
 
 void miles_gemm(const float *x, int64_t ldx, const float *wt, const float *add, int64_t ld_add, float *out, int64_t M,
-                int64_t K, int64_t N, int swiglu) {
+                int64_t K, int64_t N, int swiglu, int packed) {
 #pragma omp parallel if (M * K * N >= 131072)
-  gemm_for(x, ldx, wt, add, ld_add, out, M, K, N, swiglu);
+  gemm_for(x, ldx, wt, add, ld_add, out, M, K, N, swiglu, packed);
 }
 
 /* ---------------------------------------------------------------- the window's K/V into the pages */
@@ -596,7 +619,7 @@ void miles_decode_step(const int64_t *tok, const float *embed, float *x, const i
                        int64_t cs_stride, const int64_t *pos, int64_t pos_off, const int64_t *slot, const float *mask,
                        int64_t col, float scale,
                        float *h, float *qkv, float *o, float *a, int64_t B, int64_t hidden, int64_t H, int64_t Hk, int64_t D,
-                       int64_t inter, int64_t cap) {
+                       int64_t inter, int64_t cap, int packed) {
   const int64_t nqkv = (H + 2 * Hk) * D;
 #pragma omp parallel
   {
@@ -607,13 +630,13 @@ void miles_decode_step(const int64_t *tok, const float *embed, float *x, const i
       const float *e = eps + l * 3;
 #define W(i) ((float *)(intptr_t)p[i])
       rmsnorm_for(x, hidden, W(0), h, B, hidden, e[0]);
-      gemm_for(h, hidden, W(1), NULL, 0, qkv, B, hidden, nqkv, 0);
+      gemm_for(h, hidden, W(1), NULL, 0, qkv, B, hidden, nqkv, 0, packed);
       attn_step_for(qkv, nqkv, cos, sin, cs_stride, pos, pos_off, slot, W(2), W(3), e[2], W(8), W(9), mask, o, B, H, Hk, D,
                     cap, col, scale);
-      gemm_for(o, H * D, W(4), x, hidden, x, B, H * D, hidden, 0); /* the residual added in place */
+      gemm_for(o, H * D, W(4), x, hidden, x, B, H * D, hidden, 0, packed); /* the residual added in place */
       rmsnorm_for(x, hidden, W(5), h, B, hidden, e[1]);
-      gemm_for(h, hidden, W(6), NULL, 0, a, B, hidden, 2 * inter, 1);
-      gemm_for(a, inter, W(7), x, hidden, x, B, inter, hidden, 0);
+      gemm_for(h, hidden, W(6), NULL, 0, a, B, hidden, 2 * inter, 1, packed);
+      gemm_for(a, inter, W(7), x, hidden, x, B, inter, hidden, 0, packed);
 #undef W
     }
     rmsnorm_for(x, hidden, final_w, xn, B, hidden, final_eps);
@@ -635,7 +658,7 @@ void miles_decode_window(const int64_t *tok0, const float *embed, const int64_t 
                          const float *sin, int64_t cs_stride, const int64_t *pos, const int64_t *slot, const float *mask,
                          int64_t col0, float scale, const float *temperature, const int64_t *seeds, const int64_t *counters,
                          int64_t *tok_out, float *logp_out, int64_t B, int64_t K, int64_t G, int64_t hidden, int64_t H,
-                         int64_t Hk, int64_t D, int64_t inter, int64_t cap) {
+                         int64_t Hk, int64_t D, int64_t inter, int64_t cap, int packed) {
   const int64_t nqkv = (H + 2 * Hk) * D, hd = H * D, groups = (B + G - 1) / G;
   const int64_t ns = (col0 + K + 15) & ~(int64_t)15;
 #pragma omp parallel if (groups > 1)
@@ -656,16 +679,16 @@ void miles_decode_window(const int64_t *tok0, const float *embed, const int64_t 
           const float *e = eps + l * 3;
 #define W(i) ((float *)(intptr_t)p[i])
           for (int64_t r = 0; r < M; ++r) rmsnorm_row(x + r * hidden, W(0), h + r * hidden, hidden, e[0]);
-          gemm_rows(h, hidden, W(1), NULL, 0, qkv, M, hidden, nqkv, 0);
+          gemm_rows(h, hidden, W(1), NULL, 0, qkv, M, hidden, nqkv, 0, packed);
           for (int64_t r = 0; r < M; ++r) {
             const int64_t b = r0 + r, cr = pos[b] + j;
             attn_row(qkv + r * nqkv, cos + cr * cs_stride, sin + cr * cs_stride, slot[b], W(2), W(3), e[2], W(8), W(9), mask,
                      o + r * hd, s, H, Hk, D, cap, col0 + j, scale);
           }
-          gemm_rows(o, hd, W(4), x, hidden, x, M, hd, hidden, 0);
+          gemm_rows(o, hd, W(4), x, hidden, x, M, hd, hidden, 0, packed);
           for (int64_t r = 0; r < M; ++r) rmsnorm_row(x + r * hidden, W(5), h + r * hidden, hidden, e[1]);
-          gemm_rows(h, hidden, W(6), NULL, 0, a, M, hidden, 2 * inter, 1);
-          gemm_rows(a, inter, W(7), x, hidden, x, M, inter, hidden, 0);
+          gemm_rows(h, hidden, W(6), NULL, 0, a, M, hidden, 2 * inter, 1, packed);
+          gemm_rows(a, inter, W(7), x, hidden, x, M, inter, hidden, 0, packed);
 #undef W
         }
         for (int64_t r = 0; r < M; ++r) rmsnorm_row(x + r * hidden, final_w, h + r * hidden, hidden, final_eps);

@@ -106,6 +106,12 @@ def build(out_dir: Path | None = None, cc: str | None = None) -> Path:
     raise NativeBuildError("building the CPU decode kernels failed:\n" + "\n".join(errors))
 
 
+def panels_shape(k: int, n: int, swiglu: bool) -> tuple[int, int, int]:
+    """The shape of :meth:`NativeKernels.pack`'s panels of a W^T [k, n]."""
+    per = 32 if swiglu else 64
+    return -(-(n // (2 if swiglu else 1)) // per), k, 64
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -131,18 +137,21 @@ class NativeKernels:
         self._sample = lib.miles_sample
         self._sample.argtypes = [p, i, p, p, p, i, p, p, i, i]
         self._gemm = lib.miles_gemm
-        self._gemm.argtypes = [p, i, p, p, i, p, i, i, i, ctypes.c_int]
+        self._gemm.argtypes = [p, i, p, p, i, p, i, i, i, ctypes.c_int, ctypes.c_int]
+        self._pack = lib.miles_pack
+        self._pack.argtypes = [p, p, i, i, ctypes.c_int]
         self._write_back = lib.miles_write_back
         self._write_back.argtypes = [p, p, p, p, i, i, p, p, i, i, i, i, i, i, i, i, i]
         self._step = lib.miles_decode_step
-        self._step.argtypes = [p, p, p, p, p, i, p, f, p, p, p, i, p, i, p, p, i, f, p, p, p, p, i, i, i, i, i, i, i]
+        self._step.argtypes = [p, p, p, p, p, i, p, f, p, p, p, i, p, i, p, p, i, f, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_int]
         self._gather = lib.miles_gather
         self._gather.argtypes = [p, p, i, i, p, p, p, i, i, i, i, i, i, i, i]
         self._logits = lib.miles_logits
         self._logits.argtypes = [p, i, p, p, i, i]
         self._window = lib.miles_decode_window
-        self._window.argtypes = [p, p, p, p, i, p, f, p, i, p, p, i, p, p, p, i, f, p, p, p, p, p, i, i, i, i, i, i, i, i, i]
-        for fn in (self._rmsnorm, self._silu_mul, self._attn, self._prefill_rope, self._prefill_attn, self._sample, self._gemm,
+        self._window.argtypes = [p, p, p, p, i, p, f, p, i, p, p, i, p, p, p, i, f, p, p, p, p, p, i, i, i, i, i, i, i, i, i,
+                                 ctypes.c_int]
+        for fn in (self._rmsnorm, self._silu_mul, self._attn, self._prefill_rope, self._prefill_attn, self._sample, self._gemm, self._pack,
                    self._write_back, self._step, self._gather, self._logits, self._window):
             fn.restype = None
 
@@ -227,11 +236,24 @@ class NativeKernels:
     def gemm(self, x: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, add: torch.Tensor | None = None,
              swiglu: bool = False) -> torch.Tensor:
         """``out = x @ wt (+ add)``, or with ``swiglu`` ``silu(x @ wt[:, :I]) * (x @ wt[:, I:])``: x [M, K] and add
-        [M, N] (row strides free), wt [K, N] contiguous, out [M, N] (or [M, I], I = N / 2) contiguous; N (or I) a
-        multiple of 16."""
+        [M, N] (row strides free), wt [K, N] contiguous or its panels (:meth:`pack`, 3-D), out [M, N] (or [M, I],
+        I = N / 2) contiguous; N (or I) a multiple of 16. Either layout gives the same bits."""
         m, k = x.shape
+        packed = wt.dim() == 3
+        n = out.shape[1] * (2 if swiglu else 1) if packed else wt.shape[1]
+        assert wt.is_contiguous() and out.is_contiguous() and (not packed or wt.shape == panels_shape(k, n, swiglu)), wt.shape
         self._gemm(x.data_ptr(), x.stride(0), wt.data_ptr(), _ptr(add), 0 if add is None else add.stride(0), out.data_ptr(),
-                   m, k, wt.shape[1], int(swiglu))
+                   m, k, n, int(swiglu), int(packed))
+        return out
+
+    def pack(self, wt: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+        """W^T [K, N] (contiguous) in the GEMMs' panel layout, [G, K, 64]: each group of 64 output columns (with
+        ``swiglu``, N = 2 I: 32 gate columns and their 32 up columns) one contiguous run of K rows, zeros past the
+        last column (:func:`panels_shape`). A copy: it does not follow later changes of ``wt``."""
+        k, n = wt.shape
+        assert wt.is_contiguous() and wt.dtype == torch.float32 and (n // (2 if swiglu else 1)) % 16 == 0, (wt.shape, swiglu)
+        out = torch.empty(panels_shape(k, n, swiglu))
+        self._pack(wt.data_ptr(), out.data_ptr(), k, n, int(swiglu))
         return out
 
     def write_back(self, kb: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, page: int,
@@ -258,11 +280,12 @@ class NativeKernels:
                      slot.shape[0], ns, hk, d, nb * KEY_BLOCK, kv.shape[2], t0)
 
     def decode_step(self, tok: torch.Tensor, embed: torch.Tensor, x: torch.Tensor, ptrs: torch.Tensor, eps: torch.Tensor,
-                    final_norm: tuple, xn: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor, pos: torch.Tensor,
+                    packed: bool, final_norm: tuple, xn: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor, pos: torch.Tensor,
                     pos_off: int, slot: torch.Tensor, mask: torch.Tensor, col: int, scale: float, bufs: tuple, o: torch.Tensor,
                     heads: int, kv_heads: int) -> torch.Tensor:
         """One decode step in one call: x [B, hidden] = rows ``tok`` [B] int64 of ``embed`` [V, hidden], then every
-        layer in place (``ptrs`` [L, 10] and ``eps`` [L, 3] from :func:`.cpu_layers.step_args`; the rotary tables
+        layer in place (``ptrs`` [L, 10], ``eps`` [L, 3] and ``packed``, the GEMM weights' layout, from
+        :func:`.cpu_layers.step_args`; the rotary tables
         cos_t, sin_t [P, D] read at rows ``pos + pos_off`` (pos [B] int64), row b's K/V and mask in buffer row
         ``slot[b]`` ([B] int64), mask [NS * Hk, cap] and column ``col`` as :meth:`attn_step`), then ``xn`` [B, hidden] = the final norm of x (``final_norm`` = (weight, eps)).
         ``bufs`` = (norm [B, hidden], SwiGLU [B, I], q/k/v [B, (H + 2 Hk) D]) and o [B, H D]; every tensor
@@ -273,7 +296,7 @@ class NativeKernels:
         self._step(tok.data_ptr(), embed.data_ptr(), x.data_ptr(), ptrs.data_ptr(), eps.data_ptr(), ptrs.shape[0],
                    final_norm[0].data_ptr(), final_norm[1], xn.data_ptr(), cos_t.data_ptr(), sin_t.data_ptr(), d, pos.data_ptr(),
                    pos_off, slot.data_ptr(), mask.data_ptr(), col, scale, h.data_ptr(), qkv.data_ptr(), o.data_ptr(), a.data_ptr(), b, hidden,
-                   heads, kv_heads, d, a.shape[1], mask.shape[1])
+                   heads, kv_heads, d, a.shape[1], mask.shape[1], int(packed))
         return xn
 
     def logits(self, x: torch.Tensor, head: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -283,7 +306,8 @@ class NativeKernels:
         self._logits(x.data_ptr(), x.shape[0], head.data_ptr(), out.data_ptr(), head.shape[0], head.shape[1])
         return out
 
-    def decode_window(self, tok: torch.Tensor, embed: torch.Tensor, ptrs: torch.Tensor, eps: torch.Tensor, final_norm: tuple,
+    def decode_window(self, tok: torch.Tensor, embed: torch.Tensor, ptrs: torch.Tensor, eps: torch.Tensor, packed: bool,
+                      final_norm: tuple,
                       head: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor,
                       mask: torch.Tensor, col: int, scale: float, temperature: torch.Tensor, seeds: torch.Tensor,
                       counters: torch.Tensor, steps: int, group: int, heads: int, kv_heads: int, head_dim: int,
@@ -302,5 +326,6 @@ class NativeKernels:
         self._window(tok.data_ptr(), embed.data_ptr(), ptrs.data_ptr(), eps.data_ptr(), ptrs.shape[0], final_norm[0].data_ptr(),
                      final_norm[1], head.data_ptr(), v, cos_t.data_ptr(), sin_t.data_ptr(), head_dim, pos.data_ptr(),
                      slot.data_ptr(), mask.data_ptr(), col, scale, temperature.data_ptr(), seeds.data_ptr(), counters.data_ptr(),
-                     toks.data_ptr(), lps.data_ptr(), b, steps, group, hidden, heads, kv_heads, head_dim, inter, mask.shape[1])
+                     toks.data_ptr(), lps.data_ptr(), b, steps, group, hidden, heads, kv_heads, head_dim, inter, mask.shape[1],
+                     int(packed))
         return toks, lps
