@@ -70,7 +70,8 @@ def main() -> None:
 
     def time_native(dec) -> None:
         if dec._native not in (False, None) and not hasattr(dec._native, "_timed"):
-            for name in ("rmsnorm", "attn_step", "silu_mul", "prefill_rope", "prefill_attn", "gemm", "decode_step", "decode_window"):
+            for name in ("rmsnorm", "attn_step", "silu_mul", "prefill_rope", "prefill_attn", "gemm", "decode_step", "decode_window",
+                         "logits", "sample", "pack"):
                 setattr(dec._native, name, timed(getattr(dec._native, name), acc, f"native {name}", phase))
             dec._native._timed = True
 
