@@ -31,9 +31,11 @@ import torch.nn.functional as F
 from miles_core.rollout.engine_core.attention import AttnBatch
 from miles_core.rollout.engine_core.cpu_native import NativeKernels
 
-# rows up to which native_layers runs cpu_native.c's GEMM instead of MKL's: measured at the quickstart shapes (hidden
-# 128, 2 cores, 2026-12-06), the C kernel took 0.6-0.8x MKL's time at 16 rows, 0.75-1.0x at 64, and 1.0-1.25x at 512
-GEMM_ROWS = 128
+# rows up to which native_layers runs cpu_native.c's GEMM instead of MKL's (and a decode step is one C call). With the
+# weights in panels (2 cores, 2026-12-07) the C GEMMs of a layer took 0.98x / 0.80x / 1.22x of MKL's time at 128 / 256 /
+# 512 rows at the quickstart shapes (hidden 128), 0.69x / 0.76x / 0.94x at SmolLM2-135M's; the engine on the latter
+# at batch 256 (64-token prompts, 32 new tokens): 197 tok/s with 256 here against 161 with 128 (best of 3)
+GEMM_ROWS = 256
 # a decode window in one call (window_group): rows per group, and the most weight bytes (every layer's and the lm_head)
 # for which it runs: each group reads the weights at every step, so they must stay in cache. Measured at batch 64 with
 # the quickstart shapes (1.6 MB of weights; 2 cores, 2026-12-07), groups of 4 / 6 / 8 / 12 / 16 / 32 rows gave
