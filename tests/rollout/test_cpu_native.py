@@ -421,6 +421,33 @@ def test_engine_with_and_without_weight_panels_gives_the_same_bits(nat, tmp_path
     assert all(out == results[2 << 30, True] for out in results.values())
 
 
+def test_an_in_place_change_of_any_gemm_weight_remakes_the_panels(nat, tmp_path):
+    """After a generation has built the panel copies, ``update_weights`` of one weight at a time (each GEMM's): the
+    engine then generates what a fresh engine with the same weights does, bit for bit, and not what it did before."""
+    make_hf_model("llama", tmp_path, head_dim=16)
+    greedy = SamplingParams(max_new_tokens=10, temperature=0)
+
+    def generate(core):
+        (r,) = core.add_request([5, 17, 3, 44, 9], greedy)
+        while core.has_unfinished():
+            core.step()
+        return r.output_ids, r.logprobs
+
+    core = EngineCore(load_miles(tmp_path), EngineConfig(block_size=4, cpu_kernels="native"))
+    last, changed = generate(core), {}
+    for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.o_proj.weight",
+                 "model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight"):
+        changed[name] = -3 * core.model.state_dict()[name]
+        core.update_weights({name: changed[name]})
+        fresh = EngineCore(load_miles(tmp_path), EngineConfig(block_size=4, cpu_kernels="native"))
+        fresh.update_weights(changed)
+        out = generate(core)
+        assert out == generate(fresh) and out[1] != last[1], name
+        *_, nplan = core._cpu._window_statics()
+        assert all(layer.panels is not None for layer in nplan)
+        last = out
+
+
 def test_prefill_pieces_cut_the_rows_in_order():
     # chunks (q_len, ctx): 3 fresh rows, 6 rows after 4 cached tokens, 1 row after 9
     assert cpu_layers.pieces([3, 6, 1], [3, 10, 10], 4) == [

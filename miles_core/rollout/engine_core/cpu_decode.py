@@ -229,14 +229,11 @@ class CpuDecoder:
         """What every window uses and no token changes: the layer plans, the rotary
         tables of every position (``model._rope``, [P, 1, D]; sin with its first half negated for
         ``_rope_rolled``), the final norm, ``lm_head^T`` and the kernels' plan (its weight panels are copies).
-        Rebuilt when the fused weight lists (:meth:`~.runner.ModelRunner.fuse`) or an op change, or a weight changes
-        in place (its version counter, which every view of it shares: ``update_weights``' ``copy_``)."""
+        Rebuilt when the fused weight lists (:meth:`~.runner.ModelRunner.fuse`) or an op change, or a parameter
+        changes in place (:func:`_versions`)."""
         run, model = self.runner, self.runner.model
         layers = model.model.layers
-        versions = tuple(w._version for w in (*run.qkv, *(g for g in run.gate_up if g is not None),
-                                              *(p for layer in layers for p in (layer.self_attn.o_proj.weight,
-                                                                                getattr(layer.mlp, "down_proj", None))
-                                                if p is not None)))
+        versions = _versions(run)
         objs = (run.qkv, run.gate_up, model.lm_head.weight, *(layer.self_attn.rope for layer in layers))
         old, old_versions = self._statics_key
         if not (len(objs) == len(old) and all(a is b for a, b in zip(objs, old)) and versions == old_versions):
@@ -438,6 +435,13 @@ class NativeDraw:
         if z.dtype != torch.float32:
             return sample(z, self.st, self.counters + j)
         return (*self.nat.sample(z, self.st.temperature, self.st.seeds, self.counters, j), None)
+
+
+def _versions(run) -> tuple[int, ...]:
+    """The parameters' version counters: an in-place change of a parameter (``update_weights``' ``copy_``, an
+    ``add_``) bumps its own. (Not the fused tensors': a parameter rebound by ``.data =`` to a view of one keeps a
+    counter of its own.)"""
+    return tuple(p._version for p in run.model.parameters())
 
 
 def _layer_plan(run, i: int, layer, rolled: bool) -> tuple:
