@@ -446,6 +446,10 @@ def test_an_in_place_change_of_any_gemm_weight_remakes_the_panels(nat, tmp_path)
         *_, nplan = core._cpu._window_statics()
         assert all(layer.panels is not None for layer in nplan)
         last = out
+    core.release_memory(["weights"])  # the panel copies go with the weights, and come back with them
+    assert core._cpu._statics == ()
+    core.resume_memory(["weights"])
+    assert generate(core) == last
 
 
 def test_prefill_pieces_cut_the_rows_in_order():

@@ -130,6 +130,7 @@ class EngineCore:
         if "weights" in tags and "weights" not in self.released:
             self.runner.drop_graphs()
             self.runner.unfuse()
+            self._cpu.drop_statics()  # on CPU: the weights' panel copies
             for t in itertools.chain(self.model.parameters(), self.model.buffers()):
                 t.data = t.data.to("cpu")
             self.released.add("weights")

@@ -95,9 +95,13 @@ class CpuDecoder:
         if kernels == "native" and runner.device.type == "cpu":  # asked for: a build error shows at start-up
             self._native = NativeKernels.load(kernels)
         self.whole_window = True  # a window in one call where it runs (cpu_layers.window_group); False: step by step
+        self.drop_statics()
+        self.reset()
+
+    def drop_statics(self) -> None:
+        """Forget what :meth:`_window_statics` built (with the weights' panel copies): the weights are released."""
         self._statics_key: tuple = ((), ())  # (what _window_statics was built from, compared by identity; weight versions)
         self._statics: tuple = ()
-        self.reset()
 
     def reset(self) -> None:
         """Forget the kept buffer (the KV cache was reallocated or released)."""
