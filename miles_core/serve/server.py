@@ -108,7 +108,9 @@ def _make_handler(server: MilesServer):
             try:
                 n = int(length)
             except ValueError:
-                raise _HTTPError(HTTPStatus.BAD_REQUEST, "bad Content-Length") from None
+                raise _HTTPError(HTTPStatus.BAD_REQUEST, f"bad Content-Length {length!r}") from None
+            if n < 0:  # rfile.read(-1) would read until the client closes, past the size bound
+                raise _HTTPError(HTTPStatus.BAD_REQUEST, f"bad Content-Length {length!r}")
             if n > server.max_request_bytes:
                 raise _HTTPError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"request body of {n} bytes exceeds the limit of {server.max_request_bytes}")
             raw = self.rfile.read(n)
@@ -118,6 +120,8 @@ def _make_handler(server: MilesServer):
                 return json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise _HTTPError(HTTPStatus.BAD_REQUEST, f"malformed JSON: {exc}") from None
+            except RecursionError:  # nesting deeper than the parser's recursion limit, within the size bound
+                raise _HTTPError(HTTPStatus.BAD_REQUEST, "malformed JSON: nested too deeply") from None
 
         def _start_stream(self) -> None:
             self.send_response(200)

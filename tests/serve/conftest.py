@@ -76,3 +76,10 @@ class Client:
 @pytest.fixture
 def client(server):
     return Client(server.port)
+
+
+@pytest.fixture
+def client_for():
+    """A :class:`Client` for any server's port (a fixture, since a test module importing from ``conftest``
+    gets whichever conftest pytest imported last)."""
+    return Client

@@ -2,6 +2,9 @@
 malformed and oversized requests, streaming, and an abort in mid-generation."""
 
 import base64
+import http.client
+import json
+import socket
 import threading
 import time
 
@@ -18,6 +21,16 @@ def engine_ref(server, ids, params):
     while not sink.get().finished:
         pass
     return reqs[0]
+
+
+def raw_post(port: int, path: str, headers: bytes, body: bytes) -> tuple[int, dict]:
+    """POST with hand-written headers (http.client would set a true Content-Length) and the start of a body, the
+    connection left open: the status and JSON answer. A server that waits for more body times out here."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n" + body)
+        resp = http.client.HTTPResponse(sock)
+        resp.begin()
+        return resp.status, json.loads(resp.read())
 
 
 def test_health_and_model_info(client):
@@ -82,6 +95,16 @@ def test_malformed_and_oversized_requests(client, server):
         assert reason in body["error"]["message"], (raw, body)
     status, body = client.post("/generate", raw=b'{"text": "' + b"a" * (1 << 17) + b'"}')
     assert status == 413 and "exceeds the limit" in body["error"]["message"]
+    # nested deeper than the JSON parser's recursion limit, yet within the size bound
+    status, body = client.post("/generate", raw=b"[" * 60000)
+    assert status == 400 and "nested too deeply" in body["error"]["message"]
+    # headers that lie about the body: a negative or non-numeric length must not read past the bound
+    start = b'{"text": "' + b"a" * 1000
+    for headers, want, reason in [(b"Content-Length: -1\r\n", 400, "bad Content-Length"),
+                                  (b"Content-Length: ten\r\n", 400, "bad Content-Length"),
+                                  (b"Transfer-Encoding: chunked\r\n", 411, "chunked")]:
+        status, body = raw_post(server.port, "/generate", headers, start)
+        assert status == want and reason in body["error"]["message"], (headers, status, body)
     assert client.request("GET", "/nope")[0] == 404
     assert client.request("GET", "/health")[0] == 200  # the server is still fine
 

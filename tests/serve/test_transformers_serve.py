@@ -3,7 +3,6 @@ and answers SGLang's /generate and the OpenAI route over loopback with transform
 
 import pytest
 import torch
-from conftest import Client
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +31,9 @@ def qwen2_server(tmp_path_factory):
     srv.shutdown()
 
 
-def test_generate_matches_transformers(qwen2_server):
+def test_generate_matches_transformers(qwen2_server, client_for):
     srv, hf, tok = qwen2_server
-    client = Client(srv.port)
+    client = client_for(srv.port)
     assert type(srv.engine.core.runner).__name__ == "TransformersRunner"
     refs = {}
     for text in ("12+34=", "7*8="):
