@@ -28,3 +28,44 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path, tie):
         ours = trainer.model.lm_head(trainer.model(ids))
         theirs = hf(input_ids=ids).logits
     assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
+
+
+def test_scaled_rope_survives_export_and_loads_in_transformers(tmp_path):
+    """A Llama-3.1-style scaled RoPE is written to config.json: transformers reads back the same frequencies and logits."""
+    transformers = pytest.importorskip("transformers")
+    from miles_core.models.checkpoint import save_hf_folder
+    from miles_core.models.decoder import Decoder, DecoderConfig
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig(vocab_size=64, hidden_size=32, num_heads=2, num_kv_heads=1, rope_scaling=scaling)).eval()
+    save_hf_folder(model, MilesPlugins().registries.model_families.get("llama"), tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert torch.equal(hf.model.rotary_emb.inv_freq, model.inv_freq)
+    ids = torch.randint(0, 64, (2, 40))
+    with torch.no_grad():
+        assert torch.allclose(model.lm_head(model(ids)), hf(input_ids=ids).logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("extra, reason", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling 'yarn'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "RoPE scaling 'dynamic'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "without low_freq_factor"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}}, "partial rotary"),
+    ({"hidden_act": "gelu"}, "activation 'gelu'"),
+    ({"attention_bias": True}, "attention biases"),
+    ({"mlp_bias": True}, "MLP biases"),
+    ({"use_sliding_window": True}, "sliding-window"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding-window"),
+])
+def test_what_a_family_does_not_implement_is_named(extra, reason):
+    from miles_core.errors import ConfigError
+    from miles_core.train.megatron.arch import arch_from_hf
+
+    family = MilesPlugins().registries.model_families.get("llama")
+    hf = {**family.config_to_hf(tiny_decoder().config), "model_type": "llama"}
+    assert family.unsupported(hf) is None
+    assert reason in family.unsupported({**hf, **extra})
+    if "rope" in next(iter(extra)):  # the Megatron trainer builds plain RoPE only
+        with pytest.raises(ConfigError, match="plain RoPE"):
+            arch_from_hf({**hf, **extra})

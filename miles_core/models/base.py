@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from miles_core.models import rope
 from miles_core.models.decoder import DecoderConfig
 
 
@@ -19,6 +20,18 @@ class ModelFamily:
     qk_norm: bool
     build: Callable[[DecoderConfig], nn.Module]
 
+    def unsupported(self, hf: dict[str, Any]) -> str | None:
+        """What in the HF config ``hf`` this family's implementation does not do (so that it would compute
+        another function than transformers), or None if it runs the checkpoint as it is."""
+        reasons = [rope.unsupported(rope.scaling_from_hf(hf))]
+        act = hf.get("hidden_act", "silu")
+        reasons.append(None if act in ("silu", "swish") else f"activation '{act}' (Miles' MLP is SwiGLU)")
+        reasons.append("attention biases (attention_bias)" if hf.get("attention_bias") else None)
+        reasons.append("MLP biases (mlp_bias)" if hf.get("mlp_bias") else None)
+        sliding = hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or [])
+        reasons.append("sliding-window attention" if sliding else None)
+        return "; ".join(r for r in reasons if r) or None
+
     def config_from_hf(self, hf: dict[str, Any]) -> DecoderConfig:
         return DecoderConfig(
             vocab_size=hf["vocab_size"],
@@ -29,6 +42,7 @@ class ModelFamily:
             head_dim=hf.get("head_dim"),
             intermediate_size=hf["intermediate_size"],
             rope_theta=float(hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_scaling=rope.scaling_from_hf(hf),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             qk_norm=self.qk_norm,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -36,6 +50,7 @@ class ModelFamily:
         )
 
     def config_to_hf(self, cfg: DecoderConfig) -> dict[str, Any]:
+        scaling = {"rope_scaling": dict(cfg.rope_scaling)} if cfg.rope_scaling else {}
         return {
             "architectures": [self.architecture],
             "model_type": self.hf_model_types[0],
@@ -53,4 +68,5 @@ class ModelFamily:
             "hidden_act": "silu",
             "attention_bias": False,
             "torch_dtype": "float32",
+            **scaling,
         }

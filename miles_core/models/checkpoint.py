@@ -75,9 +75,14 @@ def find_family(hf: dict, families: Registry) -> ModelFamily | None:
 
 
 def family_for(hf: dict, families: Registry, path: Path) -> ModelFamily:
+    """The family that runs this checkpoint natively; a ConfigError naming why if there is none."""
     family = find_family(hf, families)
     if family is not None:
-        return family
+        reason = family.unsupported(hf)
+        if reason is None:
+            return family
+        raise ConfigError(f"model checkpoint '{path}' ({hf.get('model_type')}) uses {reason}, which Miles' {family.name} "
+                          "implementation does not; `miles serve` runs it through transformers")
     model_type = hf.get("model_type", "")
     raise ConfigError(
         f"model checkpoint '{path}' has model_type '{model_type}', which no model family handles "

@@ -25,6 +25,7 @@ from torch import nn
 from miles_core.kernels.rmsnorm import rmsnorm_torch
 from miles_core.kernels.rope import rope_torch
 from miles_core.kernels.swiglu import swiglu_torch
+from miles_core.models import rope
 
 
 @dataclass
@@ -37,6 +38,7 @@ class DecoderConfig:
     head_dim: int | None = None  # None = hidden_size // num_heads
     intermediate_size: int = 256
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF's RoPE scaling parameters (miles_core.models.rope), None = plain RoPE
     rms_norm_eps: float = 1e-6
     qk_norm: bool = False  # Qwen3
     tie_word_embeddings: bool = True
@@ -160,8 +162,7 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.dim_head, 2, dtype=torch.float32) / cfg.dim_head))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("inv_freq", rope.inv_freq(cfg.dim_head, cfg.rope_theta, cfg.rope_scaling), persistent=False)
         self.apply(self._init)
 
     def use_kernels(self, kernels) -> Decoder:

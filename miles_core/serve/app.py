@@ -53,10 +53,12 @@ def load_model(model: str, plugins: MilesPlugins):
         return m, _HFTok(tok)
     if not path.is_dir():
         raise ConfigError(f"MODEL '{model}' is neither an HF folder nor a .gguf file")
-    if find_family(read_hf_config(path), families) is None:  # no Miles implementation: transformers' own, slower
+    hf = read_hf_config(path)
+    family = find_family(hf, families)
+    reason = "no Miles model family" if family is None else family.unsupported(hf)
+    if reason is not None:  # no Miles implementation of this checkpoint: transformers' own, slower
         m = load_transformers_model(path)
-        log.warning("%s: architecture '%s' has no Miles model family; it runs through transformers (eager, slower)",
-                    path, m.config.model_type)
+        log.warning("%s: architecture '%s': %s; it runs through transformers (eager, slower)", path, m.config.model_type, reason)
         return m, load_tokenizer(path)
     m, _family = load_hf_folder(path, families)
     return m, load_tokenizer(path)

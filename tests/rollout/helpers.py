@@ -10,14 +10,16 @@ import torch
 VOCAB = 96
 
 
-def hf_config(family: str, head_dim: int = 8):
-    """``head_dim`` 16 (or any multiple of 16) lets the CPU decode window's fused kernels (cpu_native.c) run."""
+def hf_config(family: str, head_dim: int = 8, rope_parameters: dict | None = None):
+    """``head_dim`` 16 (or any multiple of 16) lets the CPU decode window's fused kernels (cpu_native.c) run.
+    ``rope_parameters``: a scaled RoPE (Llama only), HF's dict without ``rope_theta``."""
     from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=head_dim, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if family == "llama":
-        return LlamaConfig(intermediate_size=64, tie_word_embeddings=True, rope_theta=10000.0, **common)
+        rope = {"rope_parameters": {"rope_theta": 10000.0, **rope_parameters}} if rope_parameters else {"rope_theta": 10000.0}
+        return LlamaConfig(intermediate_size=64, tie_word_embeddings=True, **rope, **common)
     if family == "qwen3":
         return Qwen3Config(intermediate_size=64, tie_word_embeddings=False, rope_theta=1000000.0, **common)
     if family == "qwen3_moe":

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import load_miles, make_hf_model
+from helpers import hf_config, load_miles, make_hf_model, save_random_hf
 
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engine_core.config import EngineConfig
@@ -36,6 +36,58 @@ def test_greedy_and_logprobs_match_transformers(family, head_dim, tmp_path):
         ref_lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(req.output_ids)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(req.logprobs), ref_lp, atol=1e-5, rtol=0)
     assert len({t for r in reqs for t in r.output_ids}) > 3  # not a degenerate one-token model
+
+
+# Llama 3.1-3.3's frequency-dependent scaling and linear interpolation; the pretraining context of 16 tokens puts the
+# prompts and outputs past it and most frequencies in the scaled or the mixed band
+SCALED_ROPE = {
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+}
+
+
+@pytest.mark.parametrize("head_dim", [8, 16])
+@pytest.mark.parametrize("scaling", sorted(SCALED_ROPE))
+def test_scaled_rope_matches_transformers(scaling, head_dim, tmp_path):
+    from miles_core.models import rope
+
+    hf = save_random_hf(hf_config("llama", head_dim, SCALED_ROPE[scaling]), tmp_path)
+    miles = load_miles(tmp_path)
+    assert miles.config.rope_scaling["rope_type"] == scaling
+    plain = rope.inv_freq(head_dim, 10000.0)
+    assert not torch.allclose(miles.inv_freq, plain)  # the scaling changes the frequencies here
+    assert torch.equal(miles.inv_freq, hf.model.rotary_emb.inv_freq)
+    core = EngineCore(miles, EngineConfig(block_size=4, decode_steps=3, max_batched_tokens=8))
+    reqs = run_all(core, PROMPTS, SamplingParams(max_new_tokens=NEW, temperature=0))
+    for prompt, req in zip(PROMPTS, reqs):
+        ids = torch.tensor([prompt])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)[0, len(prompt):]
+        assert req.output_ids == ref.tolist()
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + req.output_ids])).logits[0, len(prompt) - 1 : -1]
+        ref_lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(req.output_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(req.logprobs), ref_lp, atol=1e-5, rtol=0)
+
+
+def test_a_checkpoint_miles_does_not_implement_is_refused_with_the_reason(tmp_path):
+    """Loading for training names what Miles lacks; ``miles serve`` runs it through transformers instead,
+    with transformers' own greedy tokens (never the plain-RoPE function under a scaled checkpoint's name)."""
+    from miles_core.data.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer
+    from miles_core.errors import ConfigError
+    from miles_core.plugins.manager import MilesPlugins
+    from miles_core.serve.app import load_model
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    hf = save_random_hf(hf_config("llama", 8, yarn), tmp_path)
+    (tmp_path / CHAR_TOKENIZER_FILE).write_text(CharTokenizer().to_json())
+    with pytest.raises(ConfigError, match="RoPE scaling 'yarn'"):
+        load_miles(tmp_path)
+    model, _tok = load_model(str(tmp_path), MilesPlugins())
+    core = EngineCore(model, EngineConfig(block_size=4, decode_steps=2))
+    (req,) = run_all(core, PROMPTS[:1], SamplingParams(max_new_tokens=NEW, temperature=0))
+    ids = torch.tensor([PROMPTS[0]])
+    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)[0, ids.shape[1]:]
+    assert req.output_ids == ref.tolist()
 
 
 def test_moe_routed_experts_match_transformers_router(tmp_path):

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles_core.errors import ConfigError
+from miles_core.models import rope
 from miles_core.models.decoder import DecoderConfig
 
 SUPPORTED = ("llama", "qwen3", "qwen3_moe")
@@ -41,8 +42,9 @@ def arch_from_hf(hf: dict[str, Any]) -> Arch:
     model_type = hf.get("model_type", "")
     if model_type not in SUPPORTED:
         raise ConfigError(f"the Megatron trainer converts model_type {', '.join(SUPPORTED)}; got '{model_type}'")
+    _plain_rope_only(rope.scaling_from_hf(hf))
     heads = hf["num_attention_heads"]
-    rope = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     moe = model_type == "qwen3_moe"
     if moe and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
         raise ConfigError("qwen3_moe checkpoints with dense layers (mlp_only_layers / decoder_sparse_step) are not supported by the Megatron trainer")
@@ -55,7 +57,7 @@ def arch_from_hf(hf: dict[str, Any]) -> Arch:
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         intermediate_size=hf.get("intermediate_size", 0),
-        rope_theta=float(rope),
+        rope_theta=float(theta),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -69,6 +71,7 @@ def arch_from_hf(hf: dict[str, Any]) -> Arch:
 
 def arch_from_decoder(cfg: DecoderConfig) -> Arch:
     """The architecture of Miles' own :class:`~miles_core.models.decoder.Decoder`."""
+    _plain_rope_only(cfg.rope_scaling)
     return Arch(
         model_type="qwen3" if cfg.qk_norm else "llama",
         vocab_size=cfg.vocab_size,
@@ -84,3 +87,9 @@ def arch_from_decoder(cfg: DecoderConfig) -> Arch:
         tie_word_embeddings=cfg.tie_word_embeddings,
         max_position_embeddings=cfg.max_position_embeddings,
     )
+
+
+def _plain_rope_only(scaling: dict | None) -> None:
+    if scaling is not None:
+        raise ConfigError(f"the Megatron trainer builds plain RoPE; this model scales it ({scaling['rope_type']}): "
+                          "use train.backend=torch")
