@@ -6,6 +6,7 @@ import torch
 
 from helpers import tiny
 
+from miles_core.errors import DataError, MilesUserError
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engine_core.config import EngineConfig
 from miles_core.rollout.engine_core.core import EngineCore
@@ -181,8 +182,14 @@ def test_update_weights_in_place_from_tensors_and_disk(tmp_path):
     (back,) = core.add_request(P1, greedy)
     drain(core)
     assert back.output_ids == before and back.weight_version == 8
-    with pytest.raises(Exception, match="unknown parameter"):
+    with pytest.raises(MilesUserError, match="unknown parameter"):
         core.update_weights({"nope": torch.zeros(1)})
+    other = tiny(1, head_dim=16).state_dict()
+    with pytest.raises(MilesUserError, match="model.norm.weight' has shape"):  # the first tensor fits, the second not
+        core.update_weights({"lm_head.weight": other["lm_head.weight"], "model.norm.weight": torch.zeros(3)})
+    (still,) = core.add_request(P1, greedy)  # a refused update leaves every weight as it was
+    drain(core)
+    assert still.output_ids == before and still.weight_version == 8
 
 
 def test_release_and_resume_memory_keep_outputs():
@@ -192,7 +199,7 @@ def test_release_and_resume_memory_keep_outputs():
     drain(core)
     core.release_memory()
     assert core.runner.kv is None
-    with pytest.raises(Exception, match="released"):
+    with pytest.raises(MilesUserError, match="released"):
         core.add_request(P2, greedy)
     core.resume_memory()
     (b,) = core.add_request(P2, greedy)
@@ -202,11 +209,11 @@ def test_release_and_resume_memory_keep_outputs():
 
 def test_rejects_bad_requests():
     core = engine(max_model_len=32)
-    with pytest.raises(Exception, match="empty"):
+    with pytest.raises(DataError, match="empty"):
         core.add_request([], SamplingParams())
-    with pytest.raises(Exception, match="max_model_len"):
+    with pytest.raises(DataError, match="max_model_len"):
         core.add_request(list(range(40)), SamplingParams())
-    with pytest.raises(Exception, match="input_ids"):
+    with pytest.raises(DataError, match="input_ids"):
         core.add_request([1, 999], SamplingParams())
 
 

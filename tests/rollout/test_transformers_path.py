@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import save_random_hf
 
-from miles_core.errors import ConfigError
+from miles_core.errors import ConfigError, MilesUserError
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engine_core.config import EngineConfig
 from miles_core.rollout.engine_core.core import EngineCore
@@ -116,7 +116,7 @@ def test_engine_features_on_the_transformers_path(tmp_path):
     assert req.output_ids == hf_greedy(other, PROMPTS[1]) != hf_greedy(hf, PROMPTS[1])
     # memory released and resumed
     core.release_memory()
-    with pytest.raises(Exception, match="released"):
+    with pytest.raises(MilesUserError, match="released"):
         core.add_request(PROMPTS[0], SamplingParams(max_new_tokens=2))
     core.resume_memory()
     (req,) = run_all(core, [PROMPTS[1]], SamplingParams(max_new_tokens=NEW, temperature=0))

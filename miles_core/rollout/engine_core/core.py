@@ -161,9 +161,10 @@ class EngineCore:
         unknown = [n for n in state_dict if n not in own]
         if unknown:
             raise MilesUserError(f"update_weights: unknown parameter names {unknown[:3]}")
-        for name, tensor in state_dict.items():
+        for name, tensor in state_dict.items():  # every shape is checked before any weight is touched
             if own[name].shape != tensor.shape:
                 raise MilesUserError(f"update_weights: '{name}' has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
+        for name, tensor in state_dict.items():
             own[name].copy_(tensor)
         self.weight_version = self.weight_version + 1 if version is None else version
         self.blocks.flush()  # cached prefixes were computed with the old weights
