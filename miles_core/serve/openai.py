@@ -72,6 +72,19 @@ def _logprobs(server, req, chat: bool):
     }
 
 
+def stable_text(server, req, upto: int | None) -> str:
+    """The text of ``req``'s first ``upto`` output tokens (all of them when None: finished) that later
+    tokens cannot change: a trailing incomplete character, or a tail that may be the start of a stop
+    string, is held back until the next token settles it. Stream deltas are cut from it, so joined they
+    equal the final text."""
+    text = server.text_of(req, upto)
+    if upto is None:
+        return text
+    text = text.rstrip("\ufffd")
+    hold = max((k for s in req.params.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return text[: len(text) - hold]
+
+
 def completions(handler, server, body, chat: bool) -> None:
     item = _item(server, body, chat)
     stream = bool(body.get("stream", False))
@@ -83,19 +96,23 @@ def completions(handler, server, body, chat: bool) -> None:
     _it, reqs, sink = handles[0]
     if stream:
         handler._start_stream()
-        sent = {r.request_id: 0 for r in reqs}
+        sent = {r.request_id: 0 for r in reqs}  # characters streamed so far
+        tokens = {r.request_id: 0 for r in reqs}  # output tokens this thread has seen (the engine may be ahead)
         index = {r.request_id: i for i, r in enumerate(reqs)}
         left = len(reqs)
         try:
             while left:
                 out = sink.get()
                 left -= out.finished
-                req = out.request
-                text = server.text_of(req)
-                delta, sent[req.request_id] = text[sent[req.request_id]:], len(text)
-                choice = {"index": index[req.request_id], "finish_reason": _FINISH.get(req.finish_reason) if out.finished else None}
+                rid, req = out.request_id, out.request
+                tokens[rid] += len(out.new_ids)
+                text = stable_text(server, req, None if out.finished else tokens[rid])
+                if len(text) <= sent[rid] and not out.finished:
+                    continue  # nothing settled yet
+                delta, first, sent[rid] = text[sent[rid]:], sent[rid] == 0, max(sent[rid], len(text))
+                choice = {"index": index[rid], "finish_reason": _FINISH.get(req.finish_reason) if out.finished else None}
                 if chat:
-                    choice["delta"] = {"role": "assistant", "content": delta}
+                    choice["delta"] = {"role": "assistant", "content": delta} if first else {"content": delta}
                 else:
                     choice["text"] = delta
                 handler._event({"id": oid, "object": kind + ".chunk" if chat else kind, "created": created, "model": model, "choices": [choice]})

@@ -217,6 +217,46 @@ def test_rejects_bad_requests():
         core.add_request([1, 999], SamplingParams())
 
 
+def test_a_response_ends_at_max_model_len():
+    core = engine(max_model_len=24)
+    long = SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True)
+    group = core.add_request(P1, long) + core.add_request(P3, long)
+    drain(core)
+    assert [len(r.prompt_ids) + len(r.output_ids) for r in group] == [24, 24]
+    assert all(r.finish_reason == "length" for r in group)
+    ref = engine(max_model_len=512)  # the same tokens as without the cap, up to it
+    (free,) = ref.add_request(P1, long)
+    drain(ref)
+    assert free.output_ids[:14] == group[0].output_ids
+
+
+def test_a_failing_step_ends_every_request_and_the_engine_goes_on():
+    from miles_core.rollout.engine_core.threaded import ThreadedEngine
+
+    core = engine()
+    threaded = ThreadedEngine(core)
+    try:
+        greedy = SamplingParams(max_new_tokens=6, temperature=0)
+        threaded.pause()
+        handles = [threaded.submit(p, greedy, None) for p in (P1, P2)]
+        step = core.step
+        # a device failure cannot happen on CPU: the next step is made to raise instead
+        core.step = lambda: (_ for _ in ()).throw(RuntimeError("device lost"))
+        threaded.resume()
+        for reqs, sink in handles:
+            out = sink.get(timeout=30)
+            assert out.finished and out.request.finish_reason == "abort"
+            assert out.request.matched_stop == "engine error: device lost"
+        assert not core.requests
+        core.step = step
+        (r,), sink = threaded.submit(P2, greedy, None)
+        while not sink.get(timeout=30).finished:
+            pass
+        assert r.output_ids == alone(P2, greedy).output_ids
+    finally:
+        threaded.shutdown()
+
+
 def test_fused_projections_are_views_and_match_separate_gemms():
     core = engine(model=tiny(0))
     run, layer = core.runner, core.model.model.layers[0]

@@ -1,5 +1,5 @@
-"""`miles serve` over loopback with a real HTTP client (http.client): SGLang's endpoints, OpenAI's,
-malformed and oversized requests, streaming, and an abort in mid-generation."""
+"""`miles serve` over loopback with a real HTTP client (http.client): SGLang's endpoints, malformed and
+oversized requests, streaming, and aborts in mid-generation (OpenAI's endpoints: test_openai.py)."""
 
 import base64
 import http.client
@@ -33,11 +33,13 @@ def raw_post(port: int, path: str, headers: bytes, body: bytes) -> tuple[int, di
         return resp.status, json.loads(resp.read())
 
 
-def test_health_and_model_info(client):
+def test_health_and_model_info(client, server):
+    assert server.httpd.server_address[0] == "127.0.0.1"  # loopback unless --host says otherwise
     assert client.request("GET", "/health") == (200, "")
     assert client.request("GET", "/health_generate")[0] == 200
     status, info = client.request("GET", "/get_model_info")
-    assert status == 200 and info["is_generation"] and info["weight_version"] == "0"
+    assert status == 200 and info["is_generation"] and info["weight_version"] == str(server.engine.core.weight_version)
+    assert info["max_model_len"] == server.engine.core.max_model_len and info["paused"] is False
 
 
 def test_generate_text_and_ids_with_logprobs(client, server):
@@ -73,7 +75,49 @@ def test_stream_events_grow_to_the_final_answer(client):
     assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
     assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
     lens = [len(e["output_ids"]) for e in events]
-    assert lens == sorted(lens)
+    assert lens == sorted(lens) and len(set(lens)) == len(lens)  # every event adds tokens
+    for e in events:  # each event is a prefix of the answer, in ids and in text
+        assert e["output_ids"] == final["output_ids"][: len(e["output_ids"])]
+        assert final["text"].startswith(e["text"]) and e["meta_info"]["completion_tokens"] == len(e["output_ids"])
+
+
+def test_a_client_that_hangs_up_on_a_stream_aborts_its_request(server):
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    body = json.dumps({"text": "4+4=", "rid": "gone", "stream": True,
+                       "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}).encode()
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    got = b""
+    while b"data: " not in got:  # the stream has started
+        got += sock.recv(4096)
+    req = server.engine.core.requests["gone"]
+    sock.close()
+    deadline = time.time() + 30
+    while req.finish_reason is None and time.time() < deadline:
+        time.sleep(0.01)
+    assert req.finish_reason == "abort" and len(req.output_ids) < 3000
+    assert "gone" not in server.engine.core.requests
+
+
+def test_stop_strings_over_http(client):
+    sampling = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    full = client.post("/generate", {"text": "8+9=", "sampling_params": sampling})[1]
+    stop = full["text"][4:6]
+    assert len(stop) == 2
+    status, out = client.post("/generate", {"text": "8+9=", "sampling_params": {**sampling, "stop": stop}})
+    assert status == 200 and out["text"] == full["text"][: full["text"].find(stop)]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["output_ids"] == full["output_ids"][: len(out["output_ids"])]  # the ids run through the stop string
+
+
+def test_the_prefix_cache_and_flush_cache(client):
+    body = {"text": "the same long prompt", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    client.post("/flush_cache", {})
+    first = client.post("/generate", body)[1]["meta_info"]
+    again = client.post("/generate", body)[1]["meta_info"]
+    assert first["cached_tokens"] == 0 and again["cached_tokens"] >= 16  # the prompt's full pages (block_size 4)
+    assert client.post("/flush_cache", {}) == (200, "Cache flushed.")
+    assert client.post("/generate", body)[1]["meta_info"]["cached_tokens"] == 0
 
 
 def test_malformed_and_oversized_requests(client, server):
@@ -134,14 +178,34 @@ def test_abort_in_mid_generation(client, server):
 
 def test_pause_and_continue(client, server):
     assert client.post("/pause_generation", {"mode": "in_place"})[0] == 200
+    assert client.request("GET", "/get_model_info")[1]["paused"] is True
     result = {}
-    t = threading.Thread(target=lambda: result.setdefault("out", client.post("/generate", {"text": "5", "sampling_params": GREEDY})))
+    t = threading.Thread(target=lambda: result.setdefault("out", client.post("/generate", {"text": "5", "rid": "held", "sampling_params": GREEDY})))
     t.start()
     time.sleep(0.3)
-    assert "out" not in result  # held while paused
+    assert "out" not in result  # held while paused: queued, nothing generated
+    assert server.engine.core.requests["held"].output_ids == []
     assert client.post("/continue_generation", {})[0] == 200
     t.join(30)
     assert result["out"][0] == 200 and result["out"][1]["meta_info"]["completion_tokens"] == 6
+
+
+def test_pause_in_abort_mode_ends_running_requests(client, server):
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("out", client.post(
+        "/generate", {"text": "6", "rid": "cut", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}})))
+    t.start()
+    deadline = time.time() + 30
+    while time.time() < deadline and len(getattr(server.engine.core.requests.get("cut"), "output_ids", ())) <= 3:
+        time.sleep(0.01)
+    assert client.post("/pause_generation", {})[0] == 200  # mode defaults to abort, as SGLang's
+    t.join(30)
+    status, out = result["out"]
+    assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 3 < out["meta_info"]["completion_tokens"] < 3000
+    assert client.post("/continue_generation", {})[0] == 200
+    assert client.post("/generate", {"text": "6", "sampling_params": GREEDY})[1]["meta_info"]["completion_tokens"] == 6
+    assert client.post("/pause_generation", {"mode": "sideways"})[0] == 400
 
 
 def test_weight_updates_memory_and_cache(client, server, model_dir, tmp_path):
@@ -171,20 +235,6 @@ def test_weight_updates_memory_and_cache(client, server, model_dir, tmp_path):
     assert client.post("/resume_memory_occupation", {})[0] == 200
     assert client.post("/generate", body)[1]["output_ids"] == before
     assert client.post("/flush_cache", {})[0] == 200
-
-
-def test_openai_completions_and_chat(client, server):
-    status, out = client.post("/v1/completions", {"prompt": "3+3=", "max_tokens": 4, "temperature": 0, "logprobs": 2})
-    assert status == 200 and out["object"] == "text_completion"
-    ref = client.post("/generate", {"text": "3+3=", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})[1]
-    assert out["choices"][0]["text"] == ref["text"]
-    assert out["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
-    assert len(out["choices"][0]["logprobs"]["token_logprobs"]) == 4
-    status, chat = client.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "2+2"}], "max_tokens": 3, "n": 2})
-    assert status == 200 and len(chat["choices"]) == 2 and chat["choices"][0]["message"]["role"] == "assistant"
-    events = client.stream("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "stream": True})
-    assert events[-1]["choices"][0]["finish_reason"] == "length"
-    assert client.post("/v1/chat/completions", {"messages": "hi"})[0] == 400
 
 
 def test_stream_event_of_a_request_the_engine_has_since_finished():

@@ -1,0 +1,108 @@
+"""`miles serve`'s OpenAI-compatible endpoints over loopback: each answer is what SGLang's /generate
+gives for the same prompt and sampling, and a stream's deltas join to the non-streamed answer."""
+
+import pytest
+
+
+def generate(client, prompt, **sampling):
+    key = "text" if isinstance(prompt, str) else "input_ids"
+    status, out = client.post("/generate", {key: prompt, "sampling_params": sampling, "return_logprob": True})
+    assert status == 200, out
+    return out
+
+
+def chat_prompt(server, messages):
+    # the served tokenizer (the character tokenizer) has no chat template: "role: content" lines, then "assistant:"
+    return server.tokenizer.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:")
+
+
+def test_models_lists_the_served_model(client, server):
+    status, out = client.request("GET", "/v1/models")
+    assert status == 200 and out["object"] == "list"
+    assert [m["id"] for m in out["data"]] == [server.model_path]
+
+
+def test_completions_match_generate(client, server):
+    status, out = client.post("/v1/completions", {"prompt": "3+3=", "max_tokens": 4, "temperature": 0, "logprobs": 2})
+    assert status == 200 and out["object"] == "text_completion"
+    ref = generate(client, "3+3=", max_new_tokens=4, temperature=0)
+    (choice,) = out["choices"]
+    assert choice["text"] == ref["text"] and choice["finish_reason"] == "length"
+    assert out["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    lps = choice["logprobs"]
+    assert lps["token_logprobs"] == pytest.approx([lp for lp, _, _ in ref["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    assert lps["tokens"] == [server.tokenizer.decode([t]) for t in ref["output_ids"]]
+    for row, lp in zip(lps["top_logprobs"], lps["token_logprobs"]):  # greedy: the chosen token is the top one
+        assert 1 <= len(row) <= 2 and max(row.values()) == lp
+    by_ids = client.post("/v1/completions", {"prompt": server.tokenizer.encode("3+3="), "max_tokens": 4, "temperature": 0})[1]
+    assert by_ids["choices"][0]["text"] == ref["text"] and by_ids["choices"][0]["logprobs"] is None
+
+
+def test_completions_seed_n_and_stop(client):
+    body = {"prompt": "1+", "max_tokens": 8, "temperature": 1.0, "seed": 5, "n": 2}
+    a, b = client.post("/v1/completions", body)[1], client.post("/v1/completions", body)[1]
+    assert [c["index"] for c in a["choices"]] == [0, 1]
+    assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]  # seeded: reproducible
+    ref = [generate(client, "1+", max_new_tokens=8, temperature=1.0, sampling_seed=5 + i, n=1)["text"] for i in range(2)]
+    assert [c["text"] for c in a["choices"]] == ref  # sample i of a seeded group draws with seed + i
+    assert a["usage"]["completion_tokens"] == 16
+    full = generate(client, "3+3=", max_new_tokens=8, temperature=0)["text"]
+    stop = full[3:5]
+    out = client.post("/v1/completions", {"prompt": "3+3=", "max_tokens": 8, "temperature": 0, "stop": [stop]})[1]
+    assert out["choices"][0]["text"] == full[: full.find(stop)] and out["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_answers_the_rendered_prompt(client, server):
+    messages = [{"role": "system", "content": "add"}, {"role": "user", "content": "2+2"}]
+    status, out = client.post("/v1/chat/completions", {"messages": messages, "max_tokens": 5, "temperature": 0,
+                                                        "logprobs": True, "top_logprobs": 2})
+    assert status == 200 and out["object"] == "chat.completion"
+    ref = generate(client, chat_prompt(server, messages), max_new_tokens=5, temperature=0)
+    (choice,) = out["choices"]
+    assert choice["message"] == {"role": "assistant", "content": ref["text"]}
+    content = choice["logprobs"]["content"]
+    # within float error: the second request reuses the first's cached prompt pages (computed in another chunking)
+    assert [c["logprob"] for c in content] == pytest.approx([lp for lp, _, _ in ref["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    assert all(c["top_logprobs"][0]["logprob"] == c["logprob"] for c in content)
+    assert out["usage"]["prompt_tokens"] == len(chat_prompt(server, messages))
+    two = client.post("/v1/chat/completions", {"messages": messages, "max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 2})[1]
+    assert [c["index"] for c in two["choices"]] == [0, 1] and all(c["message"]["role"] == "assistant" for c in two["choices"])
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("stop_at", [None, 2, 5])
+def test_stream_deltas_join_to_the_answer(client, server, chat, stop_at):
+    """Deltas are cut from text later tokens cannot change: a possible start of a stop string is held back
+    (sent early, it would be in the joined stream but not in the final answer)."""
+    prompt = {"messages": [{"role": "user", "content": "12*3"}]} if chat else {"prompt": "12*3="}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {**prompt, "max_tokens": 12, "temperature": 0}
+    if stop_at is not None:
+        full = client.post(path, body)[1]["choices"][0]
+        text = full["message"]["content"] if chat else full["text"]
+        body["stop"] = [text[stop_at: stop_at + 3]]
+        assert len(body["stop"][0]) == 3, text
+    final = client.post(path, body)[1]["choices"][0]
+    events = client.stream(path, {**body, "stream": True})
+    deltas = [e["choices"][0]["delta"] if chat else e["choices"][0] for e in events]
+    joined = "".join(d.get("content", "") if chat else d["text"] for d in deltas)
+    assert joined == (final["message"]["content"] if chat else final["text"])
+    assert [e["choices"][0]["finish_reason"] for e in events] == [None] * (len(events) - 1) + [final["finish_reason"]]
+    assert final["finish_reason"] == ("length" if stop_at is None else "stop")
+    if chat:
+        assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
+        assert all(e["object"] == "chat.completion.chunk" for e in events)
+
+
+def test_bad_requests_name_the_field(client):
+    for path, body, reason in [
+        ("/v1/chat/completions", {"messages": "hi"}, "'messages'"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "'messages'"),
+        ("/v1/completions", {"prompt": ""}, "'prompt'"),
+        ("/v1/completions", {"prompt": [1, "a"]}, "'prompt'"),
+        ("/v1/completions", {"prompt": "a", "logprobs": 21}, "'logprobs'"),
+        ("/v1/completions", {"prompt": "a", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"prompt": "a", "n": 0}, "n"),
+    ]:
+        status, out = client.post(path, body)
+        assert status == 400 and reason in out["error"]["message"], (path, body, out)
