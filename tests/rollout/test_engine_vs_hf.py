@@ -24,7 +24,7 @@ def run_all(core, prompts, params):
 def test_greedy_and_logprobs_match_transformers(family, head_dim, tmp_path):
     hf = make_hf_model(family, tmp_path, head_dim=head_dim)
     core = EngineCore(load_miles(tmp_path), EngineConfig(block_size=4, decode_steps=3, max_batched_tokens=8))
-    reqs = run_all(core, PROMPTS, SamplingParams(max_new_tokens=NEW, temperature=0))
+    reqs = run_all(core, PROMPTS, SamplingParams(max_new_tokens=NEW, temperature=0, top_logprobs=3))
     for prompt, req in zip(PROMPTS, reqs):
         ids = torch.tensor([prompt])
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)[0, len(prompt):]
@@ -33,8 +33,12 @@ def test_greedy_and_logprobs_match_transformers(family, head_dim, tmp_path):
         full = torch.tensor([prompt + req.output_ids])
         with torch.no_grad():
             logits = hf(full).logits[0, len(prompt) - 1 : -1]
-        ref_lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(req.output_ids)[:, None])[:, 0]
+        ref_all = torch.log_softmax(logits, -1)
+        ref_lp = ref_all.gather(-1, torch.tensor(req.output_ids)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(req.logprobs), ref_lp, atol=1e-5, rtol=0)
+        top = torch.topk(ref_all, 3, dim=-1)  # the top-3 alternatives at every position: the same ids, the same values
+        assert [[t for t, _ in row] for row in req.top_logprobs] == top.indices.tolist()
+        assert torch.allclose(torch.tensor([[lp for _, lp in row] for row in req.top_logprobs]), top.values, atol=1e-5, rtol=0)
     assert len({t for r in reqs for t in r.output_ids}) > 3  # not a degenerate one-token model
 
 
