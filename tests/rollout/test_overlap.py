@@ -94,7 +94,20 @@ def test_weight_update_waits_for_the_window_in_flight():
     while core._inflight is None:
         core.step()
     before = len(r.output_ids)
-    core.update_weights({"model.norm.weight": torch.full_like(core.model.model.norm.weight, 2.0)})
-    assert core._inflight is None and len(r.output_ids) > before  # the window was handed out first
+    w = core.model.model.norm.weight
+    update = {"model.norm.weight": torch.linspace(-3.0, 3.0, w.numel()).to(w)}  # not a uniform scale: greedy choices change
+    core.update_weights(update)
+    k = len(r.output_ids)
+    assert core._inflight is None and k > before  # the window was handed out first
     drain(core)
     assert len(r.output_ids) == 30
+    # the same as a window-by-window engine whose weights change after the same k tokens
+    ref_core = engine(False)
+    (ref,) = ref_core.add_request(PROMPTS[0], params)
+    while len(ref.output_ids) < k:
+        ref_core.step()
+    assert len(ref.output_ids) == k
+    ref_core.update_weights(update)
+    drain(ref_core)
+    assert r.output_ids == ref.output_ids and r.logprobs == ref.logprobs
+    assert r.output_ids != run(False, [params])[1][0].output_ids  # and the update did change what came after
