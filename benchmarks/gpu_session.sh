@@ -34,6 +34,7 @@
 #   bash benchmarks/gpu_session.sh s13b     # rollout GPU tests; rollout bench with HF; engine: this code, call 4's (.baseline/), without sampling in the step graph, alternated
 #   bash benchmarks/gpu_session.sh s13c     # rollout GPU tests; rollout bench with HF (the final session-13 code)
 #   bash benchmarks/gpu_session.sh s14      # the same, shorter (batch 64 first): for a session with ~6 min of device time
+#   bash benchmarks/gpu_session.sh s24      # rollout GPU tests; on an H200 only, the rollout bench with HF at 64, 1, 256
 #   bash benchmarks/gpu_session.sh s18      # s14 without batch 1 (rollout GPU tests; batch 64 and 256 with HF)
 #   bash benchmarks/gpu_session.sh s16      # the engine's transformers path (transformers_runner.py) against HF generate at batch 1 and 64
 #   bash benchmarks/gpu_session.sh s14 s15a # s14, then batch 64 with HF once more (HF's spread), at 16 and 32 decode steps per sync, and the engine's profile at 64 over 256 new tokens
@@ -194,6 +195,12 @@ print(min(t)[1].strip('()').replace(' ', '') if t else '')")
         OUT= PYTHONPATH=$pp timeout 100 python3 $dir/benchmarks/rollout_bench.py --preset gpu --batches 1,64,256 --skip-hf ${v#*:} 2>&1 \
           | tee "$OUT/rollout_bench_${v%%:*}.log" | grep -E "^ +(1|64|256) \|" | tr '\n' ' '; echo " <- ${v%%:*}"
       done ;;
+    s24)
+      timeout 120 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -6
+      case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in
+        *H200*) OUT= timeout 200 python3 benchmarks/rollout_bench.py --preset gpu --batches 64,1,256 2>&1 | tee "$OUT/rollout_bench_hf.log" | tail -6 ;;
+        *) echo "not an H200: the rollout bench is skipped" ;;
+      esac ;;
     s14)
       timeout 60 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -4
       OUT= timeout 200 python3 benchmarks/rollout_bench.py --preset gpu --batches 64,1,256 2>&1 | tee "$OUT/rollout_bench_hf.log" | tail -6 ;;
