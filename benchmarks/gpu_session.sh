@@ -196,7 +196,7 @@ print(min(t)[1].strip('()').replace(' ', '') if t else '')")
           | tee "$OUT/rollout_bench_${v%%:*}.log" | grep -E "^ +(1|64|256) \|" | tr '\n' ' '; echo " <- ${v%%:*}"
       done ;;
     s24)
-      timeout 120 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -6
+      timeout 180 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -6
       case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in
         *H200*) OUT= timeout 200 python3 benchmarks/rollout_bench.py --preset gpu --batches 64,1,256 2>&1 | tee "$OUT/rollout_bench_hf.log" | tail -6 ;;
         *) echo "not an H200: the rollout bench is skipped" ;;
