@@ -51,9 +51,11 @@ def test_weights_updated_released_and_resumed_match_a_fresh_engine():
     core.update_weights(new.state_dict(), version=2)
     assert outputs(generate(core)) == outputs(want)
     held = torch.cuda.memory_allocated()
+    kv_bytes = core.runner.kv.numel() * core.runner.kv.element_size()
     core.release_memory()
     weight_bytes = sum(p.numel() * p.element_size() for p in new.parameters())
-    assert held - torch.cuda.memory_allocated() >= weight_bytes and core.runner.kv is None
+    assert core.runner.kv is None and all(p.device.type == "cpu" for p in core.model.parameters())
+    assert held - torch.cuda.memory_allocated() >= weight_bytes + kv_bytes  # nothing still holds the fused weights
     core.resume_memory()
     again = generate(core)
     assert outputs(again) == outputs(want) and all(r.weight_version == 2 for r in again)
