@@ -34,7 +34,33 @@ def test_atomic_dir_keeps_the_old_folder_when_a_write_fails(tmp_path):
         (d / "a.txt").write_text("half")
         raise RuntimeError("disk full")
 
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="disk full"):
         atomic_dir(dest, broken)
     assert (dest / "a.txt").read_text() == "v1"
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary folder left behind
+
+
+def test_atomic_dir_puts_the_old_folder_back_when_the_final_rename_fails(tmp_path, monkeypatch):
+    """The old folder is moved aside, then the new one moved in; if that second rename fails, the old one
+    returns. (A failing rename cannot be produced on demand here: ``os.replace`` is made to fail once.)"""
+    import os
+
+    dest = tmp_path / "ckpt"
+    atomic_dir(dest, lambda d: (d / "a.txt").write_text("v1"))
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:
+            raise OSError("device busy")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="device busy"):
+        atomic_dir(dest, lambda d: (d / "a.txt").write_text("v2"))
+    monkeypatch.setattr(os, "replace", real)
+    assert len(calls) == 3  # aside, in (failed), back
+    assert (dest / "a.txt").read_text() == "v1"
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    atomic_dir(dest, lambda d: (d / "a.txt").write_text("v3"))  # and the next write replaces it
+    assert (dest / "a.txt").read_text() == "v3" and [p.name for p in tmp_path.iterdir()] == ["ckpt"]

@@ -27,16 +27,21 @@ def atomic_dir(dest: Path, write) -> None:
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        old = None
-        if dest.exists():
-            old = dest.parent / f".{dest.name}.old-{os.getpid()}"
-            os.replace(dest, old)
-        os.replace(tmp, dest)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    old = dest.parent / f".{dest.name}.old-{os.getpid()}" if dest.exists() else None
+    if old is not None:
+        os.replace(dest, old)
+    try:
+        os.replace(tmp, dest)
+    except BaseException:  # the new folder could not be moved in: the old one goes back
+        if old is not None:
+            os.replace(old, dest)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def save_hf_folder(model: nn.Module, family: ModelFamily, dest: Path, extra_files: dict[str, str] | None = None) -> None:
