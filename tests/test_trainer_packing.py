@@ -99,14 +99,20 @@ def test_activation_checkpointing_same_gradients():
 
 def test_bf16_keeps_fp32_master_weights_and_tracks_fp32():
     batch = random_batch(4)
-    losses = {}
+    losses, dtypes = {}, {}
     for prec in ("fp32", "bf16"):
         trainer = make_trainer(tiny_decoder(), f"train.precision={prec}")
         loss = policy_loss(trainer)
+        def seen(module, args, out, prec=prec):  # records, returns None (the output stands)
+            dtypes.setdefault(prec, out.dtype)
+
+        hook = trainer.model.model.layers[0].mlp.up_proj.register_forward_hook(seen)
         lp = trainer.compute_logprobs(batch)
+        hook.remove()
         losses[prec] = lp
         trainer.train_step(batch, loss)
         assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert dtypes == {"fp32": torch.float32, "bf16": torch.bfloat16}  # the layers' matmuls run in bf16 under the recipe
     assert (losses["fp32"] - losses["bf16"]).abs().max() < 0.05  # bf16 matmuls: ~1e-2 logprob error
 
 

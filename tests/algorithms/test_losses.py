@@ -68,11 +68,16 @@ def test_kl_estimators_by_hand():
 
 def test_kl_loss_term_and_entropy_bonus():
     ref = T([[-2.0, -1.0]])
-    ent = T([[0.5, 1.5]])
+    ent = T([[0.5, 1.5]], requires_grad=True)
     x = loss_inputs([[1.0, 1.0]], [[0.0, 0.0]], [[1, 1]], ref_logprobs=ref, entropy=ent)
     out = ppo_clip(x, AlgorithmConfig(kl_coef=0.1, kl_estimator="k2", entropy_coef=0.01))
     assert torch.allclose(out.loss, T([[0.1 * 0.5 - 0.005, -0.015]]))
     assert out.metrics["kl_ref"] == pytest.approx(0.25)
+    # the gradients: zero advantages leave only the regularizers; d/dlogp of kl_coef * (logp - ref)^2 / 2 is
+    # kl_coef * (logp - ref) = [0.1, 0], and the bonus pushes the entropy up at -entropy_coef per token
+    out.loss.sum().backward()
+    assert torch.allclose(x.logprobs.grad, T([[0.1, 0.0]]))
+    assert torch.allclose(ent.grad, T([[-0.01, -0.01]]))
     reward_mode = ppo_clip(x, AlgorithmConfig(kl_coef=0.1, kl_mode="reward"))
     assert torch.allclose(reward_mode.loss, torch.zeros(1, 2))  # the KL is in the advantages then
 
