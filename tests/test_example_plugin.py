@@ -43,3 +43,10 @@ def test_example_reward_meets_the_contract():
     finally:
         sys.path.remove(str(EXAMPLE))
     check_reward(digits_match, "digits_match")
+    from miles_core.types import Sample
+
+    def score(response, label="12"):
+        return digits_match(Sample("q", [1], [2], response, [0.0], label=label))
+
+    # position by position, over the longer of the two: all right, one of two, two of three, none, no label
+    assert [score("12"), score(" 13 "), score("123"), score("21"), score("x", label="")] == [1.0, 0.5, 2 / 3, 0.0, 0.0]

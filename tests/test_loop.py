@@ -124,6 +124,15 @@ def test_async_reward_with_timeout(tmp_path):
         score_samples(slow, "slow", s, 0.05)
     with pytest.raises(RewardError, match="returned 'yes'"):
         score_samples(lambda x: "yes", "bad", s, 1.0)
+    for value in (float("nan"), float("inf"), True):
+        with pytest.raises(RewardError, match=f"reward 'odd' returned {value!r} for sample 0; it must return a finite number"):
+            score_samples(lambda x, v=value: v, "odd", s, 1.0)
+
+    def broken(sample):
+        return {}["label"]
+
+    with pytest.raises(RewardError, match=r"reward 'broken' raised KeyError: 'label' \(sample 0, prompt 'p'\)"):
+        score_samples(broken, "broken", s, 1.0)
 
 
 def test_micro_batching_gives_the_same_update(tmp_path):

@@ -1,4 +1,5 @@
-"""Score samples with a reward function: sync or async, each under a timeout.
+"""Score samples with a reward function, sync or async; an async reward runs under a timeout (a sync one
+runs to completion: a blocked call cannot be interrupted from inside the process).
 
 An exception in reward code stops the run with one line naming the reward and the sample.
 """

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 import torch
@@ -37,6 +39,7 @@ def check_reward(fn, name: str = "reward") -> None:
     sample = Sample(prompt="1+1=", prompt_ids=[1], response_ids=[2], response="2", rollout_logprobs=[0.0], label="2")
     value = fn(sample)
     assert isinstance(value, (int, float)) and not isinstance(value, bool), f"{name} returned {value!r}"
+    assert math.isfinite(value), f"{name} returned {value!r}, not a finite number"
 
 
 def check_advantage_estimator(fn, cfg: AlgorithmConfig | None = None) -> AdvantageOutputs:
