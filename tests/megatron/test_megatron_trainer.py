@@ -86,10 +86,16 @@ def test_same_logprobs_loss_and_update_as_torch_trainer(megatron_cpu, qk_norm, t
     assert set(after_m) == set(after_t)
     moved = max(float((after_t[k] - state[k]).abs().max()) for k in after_t)
     assert moved > 5e-3  # the step moved the weights (lr 1e-2) ...
-    # ... and both trainers moved them the same way. Adam's first step is ~lr * g / |g|, which
-    # amplifies fp32 rounding where |g| is tiny, so the bound is 1% of one step (1e-4), not 1e-5.
+    # ... and both trainers moved them the same way. Adam's first step is ~lr * g / (|g| + eps), which amplifies
+    # fp32 rounding where |g| is tiny (an element there came to 8.2e-5 apart, 2026-12-07): elements with
+    # |g| > 1e-4 must agree to 1% of one step (1e-4); the rest to within one full step each way (2 lr).
+    lr, firm_count = cfg.train.lr, 0
     for k in after_t:
-        torch.testing.assert_close(after_m[k], after_t[k], atol=1e-4, rtol=0, msg=lambda m: f"{k}: {m}")
+        firm = grads_t.get(k, grads_t["model.embed_tokens.weight"]).abs() > 1e-4  # lm_head: tied to the embedding
+        firm_count += int(firm.sum())
+        torch.testing.assert_close(after_m[k][firm], after_t[k][firm], atol=1e-4, rtol=0, msg=lambda m: f"{k}: {m}")
+        assert (after_m[k] - after_t[k]).abs().max() <= 2 * lr + 1e-6, k
+    assert firm_count > 0.5 * sum(int((g != 0).sum()) for g in grads_t.values())  # most updated elements checked tightly
 
 
 def _megatron_grads(trainer) -> dict[str, torch.Tensor]:
