@@ -179,3 +179,41 @@ def test_on_policy_old_logprobs_from_the_training_forward(tmp_path):
             assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(b[key])), (key, a[key], b[key])
     for k in w_auto:
         torch.testing.assert_close(w_auto[k], w_full[k], rtol=1e-5, atol=1e-6)
+
+
+def test_several_updates_per_rollout_are_off_policy_after_the_first(tmp_path, monkeypatch):
+    """train.updates_per_rollout=2 splits each step's batch into two disjoint halves, one optimizer step each; the
+    old logprobs are the rollout policy's for both, so the first half trains on-policy (approx KL 0) and the
+    second, after one update, off-policy (approx KL > 0, the PPO ratio at work), with old_logprobs=auto as well."""
+    # a dense reward (the share of digits in the response), so that every group has nonzero advantages
+    (tmp_path / "dense_reward.py").write_text(
+        "def digit_share(sample):\n    return sum(ch.isdigit() for ch in sample.response) / max(len(sample.response), 1)\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = tiny_config(tmp_path, "train.updates_per_rollout=2", "train.old_logprobs=auto", "run.num_rollout=2", "train.lr=0.01",
+                      "rollout.temperature=1.0", "rollout.max_response_len=6", "reward.name=dense_reward:digit_share")
+    c = build(cfg, MilesPlugins(autoload=False), tmp_path)
+    parts, make = [], c.trainer_factory
+
+    def recording_factory(*args, **kwargs):
+        trainer = make(*args, **kwargs)
+        inner = trainer.train_step
+
+        def train_step(batch, loss_fn, *a, **kw):
+            out = inner(batch, loss_fn, *a, **kw)
+            parts.append((batch.num_samples, out["approx_kl"]))
+            return out
+
+        trainer.train_step = train_step
+        return trainer
+
+    c.trainer_factory = recording_factory
+    records = []
+    run_loop(c, records.append)
+    rl = [r for r in records if r.get("phase") == "rl" and r["step"] > 0]
+    per_step = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    rl_parts = parts[-2 * len(rl):]  # the RL steps' parts (any SFT warm-up comes first)
+    assert len(rl) == 2 and len(rl_parts) == 4
+    for first, second in zip(rl_parts[::2], rl_parts[1::2]):
+        assert first[0] + second[0] == per_step and first[0] == second[0]
+        assert abs(first[1]) < 1e-6  # the rollout policy itself
+        assert second[1] > 1e-6  # one update later
