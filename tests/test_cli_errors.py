@@ -49,3 +49,9 @@ def test_validate_ok(cli):
     out = cli("validate")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok:") and "task reverse" in out.stdout
+
+
+def test_serve_options_out_of_range(cli, tmp_path):
+    for opt, value in (("--port", "99999"), ("--port", "-1"), ("--max-request-bytes", "0")):
+        proc = cli("serve", str(tmp_path), opt, value)
+        assert proc.returncode == 2 and f"Invalid value for '{opt}'" in proc.stderr, (opt, value, proc.stderr)

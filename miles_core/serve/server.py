@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from miles_core.errors import MilesUserError
+from miles_core.errors import ConfigError, MilesUserError
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engine import trim_stop
 from miles_core.rollout.engine_core.request import Request
@@ -38,7 +38,14 @@ class MilesServer:
         self.model_path = model_path
         self.max_request_bytes = max_request_bytes
         self.receiver = DistributedReceiver()  # /init_weights_update_group, /update_weights_from_distributed
-        self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
+        if max_request_bytes < 1:
+            engine.shutdown()
+            raise ConfigError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+        try:
+            self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
+        except (OSError, OverflowError) as exc:  # in use, not this machine's address, out of range
+            engine.shutdown()
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from None
         self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
 

@@ -153,6 +153,33 @@ def test_malformed_and_oversized_requests(client, server):
     assert client.request("GET", "/health")[0] == 200  # the server is still fine
 
 
+def test_an_address_it_cannot_listen_on_is_a_config_error(server, model_dir):
+    """A port in use (here: this module's server's), or not this machine's address: one error naming it, and the
+    engine thread started for it is stopped again."""
+    import threading as th
+
+    import pytest
+
+    from miles_core.errors import ConfigError
+    from miles_core.serve.app import build_server
+
+    before = {t.name for t in th.enumerate() if t.is_alive()}, th.active_count()
+    with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{server.port}: .*in use"):
+        build_server(str(model_dir), port=server.port, device="cpu")
+    with pytest.raises(ConfigError, match="cannot listen on 10.255.255.1:0"):
+        build_server(str(model_dir), host="10.255.255.1", port=0, device="cpu")
+    with pytest.raises(ConfigError, match="max_request_bytes must be >= 1"):
+        build_server(str(model_dir), port=0, device="cpu", max_request_bytes=0)
+    assert th.active_count() == before[1]  # no engine thread left running
+    assert client_ok(server)
+
+
+def client_ok(server) -> bool:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    conn.request("GET", "/health")
+    return conn.getresponse().status == 200
+
+
 def test_abort_in_mid_generation(client, server):
     result = {}
 
