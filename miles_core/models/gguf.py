@@ -81,9 +81,12 @@ def load_gguf(path: Path, families: Registry) -> tuple[nn.Module, ModelFamily, o
         import gguf  # noqa: F401  (transformers needs it; fail with a clear message)
     except ImportError:
         raise ConfigError("loading GGUF needs the 'gguf' and 'accelerate' packages: pip install gguf accelerate") from None
-    with gguf_read_once():
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        with gguf_read_once():
+            hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (ValueError, OSError, KeyError, RuntimeError) as exc:  # not a GGUF, truncated, an architecture it lacks
+        raise ConfigError(f"GGUF file '{path}': transformers cannot load it ({exc})") from None
     cfg = hf.config.to_dict()
     family = family_for(cfg, families, path)
     model = family.build(family.config_from_hf(cfg))

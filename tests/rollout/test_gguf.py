@@ -61,3 +61,15 @@ def test_smollm2_gguf_greedy_matches_transformers():
         assert torch.allclose(served, ref_lp, atol=2e-5, rtol=0)
     finally:
         server.shutdown()
+
+
+def test_a_file_that_is_not_gguf_is_refused_by_name(tmp_path):
+    pytest.importorskip("gguf")
+    from miles_core.errors import ConfigError
+    from miles_core.models.gguf import load_gguf
+    from miles_core.plugins.manager import MilesPlugins
+
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ConfigError, match=f"GGUF file '{bad}': transformers cannot load it .*magic"):
+        load_gguf(bad, MilesPlugins().registries.model_families)
