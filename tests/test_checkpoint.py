@@ -64,3 +64,15 @@ def test_atomic_dir_puts_the_old_folder_back_when_the_final_rename_fails(tmp_pat
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
     atomic_dir(dest, lambda d: (d / "a.txt").write_text("v3"))  # and the next write replaces it
     assert (dest / "a.txt").read_text() == "v3" and [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_a_truncated_safetensors_file_is_named(tmp_path):
+    from miles_core.errors import ConfigError
+
+    regs = MilesPlugins(autoload=False).registries
+    model = Decoder(DecoderConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
+    save_hf_folder(model, regs.model_families.get("llama"), tmp_path / "ckpt")
+    f = tmp_path / "ckpt" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:100])
+    with pytest.raises(ConfigError, match=f"'{f}' is not a readable safetensors file"):
+        load_hf_folder(tmp_path / "ckpt", regs.model_families)

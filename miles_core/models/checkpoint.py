@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -96,6 +97,20 @@ def family_for(hf: dict, families: Registry, path: Path) -> ModelFamily:
     )
 
 
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every ``*.safetensors`` file in ``folder``; a ConfigError naming the file that cannot be read."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model checkpoint '{folder}' has no *.safetensors file")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError) as exc:  # truncated, not safetensors, unreadable
+            raise ConfigError(f"'{f}' is not a readable safetensors file ({exc})") from None
+    return state
+
+
 def load_hf_folder(path: Path, families: Registry) -> tuple[nn.Module, ModelFamily]:
     path = Path(path)
     if not path.is_dir():
@@ -103,12 +118,7 @@ def load_hf_folder(path: Path, families: Registry) -> tuple[nn.Module, ModelFami
     hf = read_hf_config(path)
     family = family_for(hf, families, path)
     model = family.build(family.config_from_hf(hf))
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"model checkpoint '{path}' has no *.safetensors file")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
+    state = read_safetensors(path)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing or unexpected:

@@ -163,14 +163,15 @@ def test_an_address_it_cannot_listen_on_is_a_config_error(server, model_dir):
     from miles_core.errors import ConfigError
     from miles_core.serve.app import build_server
 
-    before = {t.name for t in th.enumerate() if t.is_alive()}, th.active_count()
+    engines = lambda: sum(t.name == "miles-engine" for t in th.enumerate())  # noqa: E731
+    before = engines()
     with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{server.port}: .*in use"):
         build_server(str(model_dir), port=server.port, device="cpu")
     with pytest.raises(ConfigError, match="cannot listen on 10.255.255.1:0"):
         build_server(str(model_dir), host="10.255.255.1", port=0, device="cpu")
     with pytest.raises(ConfigError, match="max_request_bytes must be >= 1"):
         build_server(str(model_dir), port=0, device="cpu", max_request_bytes=0)
-    assert th.active_count() == before[1]  # no engine thread left running
+    assert engines() == before  # no engine thread left running
     assert client_ok(server)
 
 
@@ -256,7 +257,12 @@ def test_weight_updates_memory_and_cache(client, server, model_dir, tmp_path):
     assert status == 200 and res["weight_version"] == "4"
     assert client.post("/generate", body)[1]["output_ids"] == before
     assert client.post("/update_weights_from_tensor", {"named_tensors": [{"name": "x"}]})[0] == 400
-    assert client.post("/update_weights_from_disk", {"model_path": str(tmp_path)})[0] == 400
+    status, res = client.post("/update_weights_from_disk", {"model_path": str(tmp_path)})
+    assert status == 400 and "has no *.safetensors file" in res["error"]["message"]
+    (tmp_path / "model.safetensors").write_bytes((model_dir / "model.safetensors").read_bytes()[:100])  # cut short
+    status, res = client.post("/update_weights_from_disk", {"model_path": str(tmp_path)})
+    assert status == 400 and "is not a readable safetensors file" in res["error"]["message"]
+    assert client.post("/generate", body)[1]["output_ids"] == before  # the weights are as they were
     assert client.post("/release_memory_occupation", {})[0] == 200
     assert client.post("/generate", body)[0] == 400  # released: refused with the reason
     assert client.post("/resume_memory_occupation", {})[0] == 200

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from miles_core.errors import ConfigError, DataError, MilesUserError
+from miles_core.errors import DataError, MilesUserError
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engine_core import cpu_decode
 from miles_core.rollout.engine_core.attention import AttnBatch
@@ -171,14 +171,9 @@ class EngineCore:
 
     def update_weights_from_disk(self, path: str | Path, version: int | None = None) -> None:
         """Load every ``*.safetensors`` file of an HF folder into the weights, in place."""
-        from safetensors.torch import load_file
+        from miles_core.models.checkpoint import read_safetensors
 
-        files = sorted(Path(path).glob("*.safetensors"))
-        if not files:
-            raise ConfigError(f"update_weights_from_disk: '{path}' has no *.safetensors file")
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(str(f)))
+        state = read_safetensors(Path(path))
         if getattr(self.model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
         self.update_weights(state, version)
