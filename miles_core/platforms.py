@@ -24,8 +24,8 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available() and torch.version.cuda is not None
 
 
-def select_platform(registry: Registry, device: str) -> tuple[Platform, torch.device]:
-    """The platform and device for ``run.device`` (auto, cpu, cuda, cuda:N, ...)."""
+def select_platform(registry: Registry, device: str, option: str = "run.device") -> tuple[Platform, torch.device]:
+    """The platform and device for ``device`` (auto, cpu, cuda, cuda:N, ...); errors name it as ``option``."""
     if device == "auto":
         available = [p for p in (e.value for e in registry) if p.is_available()]
         if not available:
@@ -35,11 +35,11 @@ def select_platform(registry: Registry, device: str) -> tuple[Platform, torch.de
     try:
         dev = torch.device(device)
     except RuntimeError:
-        raise ConfigError(f"run.device '{device}' is not a torch device (try auto, cpu or cuda)") from None
+        raise ConfigError(f"{option} '{device}' is not a torch device (try auto, cpu or cuda)") from None
     for entry in registry:
         if entry.value.device_type == dev.type and entry.value.is_available():
             return entry.value, dev
-    raise ConfigError(f"run.device '{device}' is not available on this machine (try run.device=auto)")
+    raise ConfigError(f"{option} '{device}' is not available on this machine (try auto)")
 
 
 @hookimpl

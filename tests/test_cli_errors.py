@@ -55,3 +55,17 @@ def test_serve_options_out_of_range(cli, tmp_path):
     for opt, value in (("--port", "99999"), ("--port", "-1"), ("--max-request-bytes", "0")):
         proc = cli("serve", str(tmp_path), opt, value)
         assert proc.returncode == 2 and f"Invalid value for '{opt}'" in proc.stderr, (opt, value, proc.stderr)
+
+
+def test_serve_device_that_is_not_there(cli, tmp_path):
+    from miles_core.data.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer
+    from miles_core.models.checkpoint import save_hf_folder
+    from miles_core.models.decoder import Decoder, DecoderConfig
+    from miles_core.plugins.manager import MilesPlugins
+
+    model = Decoder(DecoderConfig(vocab_size=CharTokenizer().vocab_size, hidden_size=32, num_layers=1, num_heads=4,
+                                  num_kv_heads=2, intermediate_size=64))
+    save_hf_folder(model, MilesPlugins(autoload=False).registries.model_families.get("llama"), tmp_path / "m",
+                   {CHAR_TOKENIZER_FILE: CharTokenizer().to_json()})
+    line = _one_line_error(cli("serve", str(tmp_path / "m"), "--device", "tpu"))
+    assert line == "error: --device 'tpu' is not a torch device (try auto, cpu or cuda)"

@@ -68,7 +68,7 @@ def build_server(model: str, host: str = "127.0.0.1", port: int = 30000, device:
                  engine: EngineConfig | None = None, seed: int = 0, max_request_bytes: int = 64 << 20,
                  plugins: MilesPlugins | None = None) -> MilesServer:
     plugins = plugins or MilesPlugins()
-    _platform, dev = select_platform(plugins.registries.platforms, device)
+    _platform, dev = select_platform(plugins.registries.platforms, device, "--device")
     m, tok = load_model(model, plugins)
     if dtype == "auto":
         dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
