@@ -58,6 +58,13 @@ install_megatron() {
   mkdir -p /root/stage/mc && cp -n .whl/megatron_core-*.whl .whl/mc/megatron_core-*.whl /root/stage/mc/ 2>/dev/null
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /root/stage/mc/megatron_core-*.whl
 }
+# the rollout bench with HF at batches $1, only on an H200 (the issue's card): its figures are not comparable elsewhere
+bench_on_h200() {
+  case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in
+    *H200*) OUT= timeout 200 python3 benchmarks/rollout_bench.py --preset gpu --batches "$1" 2>&1 | tee "$OUT/rollout_bench_hf.log" | tail -6 ;;
+    *) echo "not an H200: the rollout bench is skipped" ;;
+  esac
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for part in "$@"; do
@@ -198,16 +205,10 @@ print(min(t)[1].strip('()').replace(' ', '') if t else '')")
       done ;;
     s24)
       timeout 180 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -6
-      case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in
-        *H200*) OUT= timeout 200 python3 benchmarks/rollout_bench.py --preset gpu --batches 64,1,256 2>&1 | tee "$OUT/rollout_bench_hf.log" | tail -6 ;;
-        *) echo "not an H200: the rollout bench is skipped" ;;
-      esac ;;
+      bench_on_h200 64,1,256 ;;
     s24b)
       timeout 90 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout/test_gpu_engine.py -k fresh_engine 2>&1 | tee "$OUT/fresh_engine_test.log" | tail -4
-      case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in
-        *H200*) OUT= timeout 200 python3 benchmarks/rollout_bench.py --preset gpu --batches 64,256 2>&1 | tee "$OUT/rollout_bench_hf.log" | tail -5 ;;
-        *) echo "not an H200: the rollout bench is skipped" ;;
-      esac ;;
+      bench_on_h200 64,256 ;;
     s14)
       timeout 60 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout 2>&1 | tee "$OUT/rollout_gpu_tests.log" | tail -4
       OUT= timeout 200 python3 benchmarks/rollout_bench.py --preset gpu --batches 64,1,256 2>&1 | tee "$OUT/rollout_bench_hf.log" | tail -6 ;;

@@ -1,6 +1,7 @@
 """The RL loop end to end on a tiny config: outputs, hooks, weight versions, data sources, rewards."""
 
 import json
+from collections import Counter
 
 import torch
 
@@ -147,27 +148,33 @@ def test_micro_batching_gives_the_same_update(tmp_path):
         torch.testing.assert_close(results[0][k], results[1][k], rtol=1e-5, atol=1e-6)
 
 
+def spy_on_trainer(c, method: str, seen) -> None:
+    """Make the trainer that ``run_loop`` builds from ``c`` report each ``method`` call as ``seen(args, result)``."""
+    make = c.trainer_factory
+
+    def factory(*args, **kwargs):
+        trainer = make(*args, **kwargs)
+        inner = getattr(trainer, method)
+
+        def spied(*a, **kw):
+            out = inner(*a, **kw)
+            seen(a, out)
+            return out
+
+        setattr(trainer, method, spied)
+        return trainer
+
+    c.trainer_factory = factory
+
+
 def test_on_policy_old_logprobs_from_the_training_forward(tmp_path):
     """train.old_logprobs=auto skips the separate old-policy pass; the updates, losses and mismatch
     metrics are those of train.old_logprobs=recompute."""
-    runs, passes = {}, {}
+    runs, passes = {}, Counter()  # the trainer's logprob passes, by mode
     for mode in ("auto", "recompute"):
         cfg = tiny_config(tmp_path / mode, f"train.old_logprobs={mode}", "run.num_rollout=2")
         records, c = [], build(cfg, MilesPlugins(autoload=False), tmp_path / mode)
-        make, passes[mode] = c.trainer_factory, 0
-
-        def counting_factory(*args, mode=mode, make=make, **kwargs):  # counts the trainer's logprob passes
-            trainer = make(*args, **kwargs)
-            inner = trainer.compute_logprobs
-
-            def compute_logprobs(*a, **kw):
-                passes[mode] += 1
-                return inner(*a, **kw)
-
-            trainer.compute_logprobs = compute_logprobs
-            return trainer
-
-        c.trainer_factory = counting_factory
+        spy_on_trainer(c, "compute_logprobs", lambda args, out, mode=mode: passes.update([mode]))
         _, trainer = run_loop(c, records.append)
         rl = [r for r in records if r.get("phase") == "rl" and r["step"] > 0]
         runs[mode] = (rl, {k: v.clone() for k, v in trainer.weights().items()})
@@ -192,21 +199,8 @@ def test_several_updates_per_rollout_are_off_policy_after_the_first(tmp_path, mo
     cfg = tiny_config(tmp_path, "train.updates_per_rollout=2", "train.old_logprobs=auto", "run.num_rollout=2", "train.lr=0.01",
                       "rollout.temperature=1.0", "rollout.max_response_len=6", "reward.name=dense_reward:digit_share")
     c = build(cfg, MilesPlugins(autoload=False), tmp_path)
-    parts, make = [], c.trainer_factory
-
-    def recording_factory(*args, **kwargs):
-        trainer = make(*args, **kwargs)
-        inner = trainer.train_step
-
-        def train_step(batch, loss_fn, *a, **kw):
-            out = inner(batch, loss_fn, *a, **kw)
-            parts.append((batch.num_samples, out["approx_kl"]))
-            return out
-
-        trainer.train_step = train_step
-        return trainer
-
-    c.trainer_factory = recording_factory
+    parts = []
+    spy_on_trainer(c, "train_step", lambda args, out: parts.append((args[0].num_samples, out["approx_kl"])))
     records = []
     run_loop(c, records.append)
     rl = [r for r in records if r.get("phase") == "rl" and r["step"] > 0]

@@ -41,7 +41,7 @@ class ModelFamily:
             num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
             head_dim=hf.get("head_dim"),
             intermediate_size=hf["intermediate_size"],
-            rope_theta=float(hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_theta=rope.theta_from_hf(hf),
             rope_scaling=rope.scaling_from_hf(hf),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             qk_norm=self.qk_norm,

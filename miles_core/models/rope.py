@@ -27,6 +27,11 @@ IMPLEMENTED = ("default", "linear", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
+def theta_from_hf(hf: dict[str, Any]) -> float:
+    """The RoPE base of an HF config (``rope_theta``, or inside transformers 5's ``rope_parameters``)."""
+    return float(hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+
+
 def scaling_from_hf(hf: dict[str, Any]) -> dict[str, Any] | None:
     """The scaling parameters of an HF config (``rope_scaling``, or transformers 5's ``rope_parameters``), or
     None for plain RoPE. The dict keeps HF's keys; its ``rope_type`` is filled in from the older ``type``."""

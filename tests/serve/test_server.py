@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 
+import pytest
 import torch
 
 from miles_core.rollout.base import SamplingParams
@@ -153,17 +154,13 @@ def test_malformed_and_oversized_requests(client, server):
     assert client.request("GET", "/health")[0] == 200  # the server is still fine
 
 
-def test_an_address_it_cannot_listen_on_is_a_config_error(server, model_dir):
+def test_an_address_it_cannot_listen_on_is_a_config_error(client, server, model_dir):
     """A port in use (here: this module's server's), or not this machine's address: one error naming it, and the
     engine thread started for it is stopped again."""
-    import threading as th
-
-    import pytest
-
     from miles_core.errors import ConfigError
     from miles_core.serve.app import build_server
 
-    engines = lambda: sum(t.name == "miles-engine" for t in th.enumerate())  # noqa: E731
+    engines = lambda: sum(t.name == "miles-engine" for t in threading.enumerate())  # noqa: E731
     before = engines()
     with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{server.port}: .*in use"):
         build_server(str(model_dir), port=server.port, device="cpu")
@@ -172,13 +169,7 @@ def test_an_address_it_cannot_listen_on_is_a_config_error(server, model_dir):
     with pytest.raises(ConfigError, match="max_request_bytes must be >= 1"):
         build_server(str(model_dir), port=0, device="cpu", max_request_bytes=0)
     assert engines() == before  # no engine thread left running
-    assert client_ok(server)
-
-
-def client_ok(server) -> bool:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-    conn.request("GET", "/health")
-    return conn.getresponse().status == 200
+    assert client.request("GET", "/health")[0] == 200
 
 
 def test_abort_in_mid_generation(client, server):

@@ -44,7 +44,6 @@ def arch_from_hf(hf: dict[str, Any]) -> Arch:
         raise ConfigError(f"the Megatron trainer converts model_type {', '.join(SUPPORTED)}; got '{model_type}'")
     _plain_rope_only(rope.scaling_from_hf(hf))
     heads = hf["num_attention_heads"]
-    theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     moe = model_type == "qwen3_moe"
     if moe and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
         raise ConfigError("qwen3_moe checkpoints with dense layers (mlp_only_layers / decoder_sparse_step) are not supported by the Megatron trainer")
@@ -57,7 +56,7 @@ def arch_from_hf(hf: dict[str, Any]) -> Arch:
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         intermediate_size=hf.get("intermediate_size", 0),
-        rope_theta=float(theta),
+        rope_theta=rope.theta_from_hf(hf),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
