@@ -28,9 +28,8 @@ import torch
 
 from miles_core.errors import ConfigError, MilesUserError
 from miles_core.rollout.sglang.http import EngineDown
-from miles_core.rollout.sglang.launch import free_port
 from miles_core.sync.buckets import buckets, dtype_name
-from miles_core.sync.process_group import make_group
+from miles_core.sync.process_group import host_store, make_group
 
 
 def _check(url: str, path: str, res) -> None:
@@ -73,16 +72,17 @@ class DistributedTransport:
             self._broken.append((self._group, self._store))
             self._group = self._store = None
         self._members = None
-        port = free_port(self.master_address)
-        name = f"miles-weights-{uuid.uuid4().hex[:8]}"
         world = 1 + self.ranks_per_engine * len(urls)
+        store = host_store(self.master_address, world)
+        port = store.port
+        name = f"miles-weights-{uuid.uuid4().hex[:8]}"
         bodies = [{"master_address": self.master_address, "master_port": port, "rank_offset": 1 + self.ranks_per_engine * i,
                    "world_size": world, "group_name": name, "backend": dist_backend} for i in range(len(urls))]
         joined: dict = {}
 
         def join() -> None:  # blocks until every rank joined; left behind if an engine dies
             try:
-                joined["group"] = make_group(dist_backend, self.master_address, port, 0, world, name)
+                joined["group"] = make_group(dist_backend, self.master_address, port, 0, world, name, store=store)
             except BaseException as exc:  # noqa: BLE001 - re-raised below, or dropped with the broken group
                 joined["error"] = exc
 

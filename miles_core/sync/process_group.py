@@ -14,11 +14,19 @@ import torch.distributed as dist
 from miles_core.errors import ConfigError
 
 
+def host_store(master_address: str, world_size: int, timeout_s: float = 120.0) -> dist.TCPStore:
+    """Rank 0's store, listening on a port the OS picks when it binds (``store.port``, to send to the
+    other ranks): no port is chosen first and bound later, so no other process can take it between."""
+    return dist.TCPStore(master_address, 0, world_size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
 def make_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-               timeout_s: float = 120.0):
-    """Join the group ``group_name`` as ``rank``; rank 0 hosts the store. Blocks until all ranks joined."""
+               timeout_s: float = 120.0, store: dist.TCPStore | None = None):
+    """Join the group ``group_name`` as ``rank`` through the store at ``master_address:master_port``
+    (rank 0 passes the one :func:`host_store` made). Blocks until all ranks joined."""
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, int(master_port), world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+    if store is None:
+        store = dist.TCPStore(master_address, int(master_port), world_size, rank == 0, timeout=timeout, wait_for_workers=False)
     prefixed = dist.PrefixStore(group_name, store)
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)

@@ -33,10 +33,11 @@ def init_parallel(mcfg: MegatronConfig, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        if "WORLD_SIZE" in os.environ:  # launched by torchrun: its rendezvous
+            dist.init_process_group(backend)
+        else:  # one rank: an in-process store, no port to pick or collide on
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
     need = mcfg.tensor_parallel * mcfg.pipeline_parallel * mcfg.context_parallel
     if world % need:

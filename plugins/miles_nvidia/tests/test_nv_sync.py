@@ -1,8 +1,6 @@
 """Weight transports: bucket packing, the broadcast transport over gloo (2 CPU processes), and the
 IPC transport through a torch.multiprocessing pipe (shared memory on CPU, CUDA IPC on GPU)."""
 
-import os
-import socket
 
 import pytest
 import torch
@@ -33,12 +31,6 @@ def test_plan_and_round_trip():
     assert set(out) == set(w) and all(torch.equal(out[k], w[k]) for k in w)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Receiver:
     """The engine side seen from the trainer, faked in the trainer process: rank 1 receives for
     real in its own process; this object only records that the protocol was followed."""
@@ -53,9 +45,8 @@ class _Receiver:
         self.calls.append(("finish",))
 
 
-def _broadcast_worker(rank, port, q):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _broadcast_worker(rank, store_file, q):
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
     w = _weights()
     plans = plan_buckets(metas_of(w), bucket_bytes=4 * 800)
     if rank == 0:
@@ -68,11 +59,11 @@ def _broadcast_worker(rank, port, q):
     dist.destroy_process_group()
 
 
-def test_broadcast_transport_over_gloo():
+def test_broadcast_transport_over_gloo(tmp_path):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_broadcast_worker, args=(r, port, q)) for r in range(2)]
+    store_file = tmp_path / "store"  # a file rendezvous: no port to pick
+    procs = [ctx.Process(target=_broadcast_worker, args=(r, store_file, q)) for r in range(2)]
     for p in procs:
         p.start()
     results = dict(q.get(timeout=120) for _ in range(2))
