@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from miles_core.errors import ConfigError
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_sum")
-KL_ESTIMATORS = ("k1", "k2", "k3", "k3_clamped")
+KL_ESTIMATORS = ("auto", "k1", "k2", "k3", "k3_clamped")
 KL_MODES = ("loss", "reward")
 MISMATCH_CORRECTIONS = ("none", "tis", "mis")
 MISMATCH_LEVELS = ("token", "sequence")
@@ -41,7 +41,9 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * entropy
     # ---- KL to the frozen reference policy (the policy at the start of RL)
     kl_coef: float = 0.0  # (--kl-coef) 0 = no reference model at all
-    kl_estimator: str = "k3"  # k1 | k2 | k3 | k3_clamped
+    # auto: k1 as a reward penalty (the sample KL, as in REINFORCE++), k3 as a loss term. k3 as a
+    # reward has a heavy tail (exp(-d)) that swamped 0/1 rewards in docs/algorithms.md's seed sweep
+    kl_estimator: str = "auto"  # auto | k1 | k2 | k3 | k3_clamped
     kl_mode: str = "loss"  # loss: a loss term; reward: a per-token reward penalty
     # ---- discounted returns (PPO's GAE, REINFORCE++)
     gamma: float = 1.0
@@ -99,6 +101,13 @@ class AlgorithmConfig:
             raise ConfigError(
                 "on-policy distillation needs a teacher: set algorithm.teacher_checkpoint to an HF safetensors folder"
             )
+
+    @property
+    def kl_estimator_used(self) -> str:
+        """``kl_estimator`` with ``auto`` resolved for ``kl_mode``."""
+        if self.kl_estimator != "auto":
+            return self.kl_estimator
+        return "k1" if self.kl_mode == "reward" else "k3"
 
     @property
     def needs_reference(self) -> bool:

@@ -29,7 +29,7 @@ def apply_regularizers(pg: torch.Tensor, inputs: LossInputs, cfg: AlgorithmConfi
         if weights is not None:
             loss = loss * weights
     if inputs.ref_logprobs is not None:
-        kl = kl_estimate(inputs.logprobs, inputs.ref_logprobs, mask, cfg.kl_estimator)
+        kl = kl_estimate(inputs.logprobs, inputs.ref_logprobs, mask, cfg.kl_estimator_used)
         metrics["kl_ref"] = float(masked_mean(kl.detach(), mask))
         if cfg.kl_mode == "loss" and cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * kl

@@ -25,7 +25,7 @@ def kl_in_reward(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> torch.Tensor 
         return None
     if inputs.ref_logprobs is None or inputs.old_logprobs is None:
         raise ConfigError("algorithm.kl_mode=reward needs reference logprobs; they are computed when algorithm.kl_coef > 0")
-    return kl_estimate(inputs.old_logprobs, inputs.ref_logprobs, inputs.response_mask, cfg.kl_estimator)
+    return kl_estimate(inputs.old_logprobs, inputs.ref_logprobs, inputs.response_mask, cfg.kl_estimator_used)
 
 
 def token_rewards(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> torch.Tensor:

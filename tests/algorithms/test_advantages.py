@@ -92,8 +92,13 @@ def test_kl_in_reward_enters_each_token():
     old = T([[-1.0, -1.0], [-1.0, 0.0]])
     ref = T([[-2.0, -1.5], [-1.0, 0.0]])  # k1 = old - ref = [[1, .5], [0, -]]
     x = inputs([1.0, 0.0], [0, 0], mask, old_logprobs=old, ref_logprobs=ref)
-    cfg = AlgorithmConfig(kl_coef=0.1, kl_mode="reward", kl_estimator="k1")
+    cfg = AlgorithmConfig(kl_coef=0.1, kl_mode="reward")  # kl_estimator=auto: k1 as a reward
+    assert cfg.kl_estimator_used == "k1"
     assert torch.allclose(token_rewards(x, cfg), T([[-0.1, 1 - 0.05], [0.0, 0.0]]))
+    # k3 = exp(-d) - 1 + d: e^-1 + 0 = 0.3679 and e^-.5 - .5 = 0.1065, when asked for by name
+    k3 = AlgorithmConfig(kl_coef=0.1, kl_mode="reward", kl_estimator="k3")
+    assert torch.allclose(token_rewards(x, k3), T([[-0.03679, 1 - 0.01065], [0.0, 0.0]]), atol=1e-5)
+    assert AlgorithmConfig(kl_coef=0.1).kl_estimator_used == "k3"  # auto as a loss term
     # GRPO uses the sequence sums: 1 - 0.15 and 0 -> centred +-0.425
     a = per_sample(grpo(x, AlgorithmConfig(kl_coef=0.1, kl_mode="reward", kl_estimator="k1", normalize_std=False)).advantages, mask)
     assert torch.allclose(a, T([0.425, -0.425]))
