@@ -26,10 +26,13 @@ from rich.table import Table  # noqa: E402
 
 from test_e2e import NUM_EVAL, RL_CASES, run_tiny  # noqa: E402
 
+# the e2e test's PPO case (its own test, with a +-1 reward for the critic) next to RL_CASES
+CASES = {**RL_CASES, "ppo": ["algorithm.advantage_estimator=ppo", "reward.name=e2e_rewards:signed"]}
+
 
 def one(case: str, seed: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
-        summary, _ = run_tiny(Path(d), *RL_CASES[case], f"run.seed={seed}")
+        summary, _ = run_tiny(Path(d), *CASES[case], f"run.seed={seed}")
     first, last = summary["eval_accuracy_first"], summary["eval_accuracy_last"]
     return {"case": case, "seed": seed, "first": first, "last": last, "gain": round((last - first) * NUM_EVAL)}
 
@@ -37,15 +40,15 @@ def one(case: str, seed: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0,1,2,3")
-    ap.add_argument("--cases", default=",".join(RL_CASES))
+    ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes; each uses one thread)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     cases = args.cases.split(",")
-    unknown = [c for c in cases if c not in RL_CASES]
+    unknown = [c for c in cases if c not in CASES]
     if unknown:
-        ap.error(f"unknown --cases {unknown}; known: {list(RL_CASES)}")
+        ap.error(f"unknown --cases {unknown}; known: {list(CASES)}")
     jobs = [(c, s) for c in cases for s in seeds]
     rows = []
     with Progress(console=Console(stderr=True)) as progress, cf.ProcessPoolExecutor(args.jobs) as pool:
