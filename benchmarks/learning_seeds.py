@@ -5,7 +5,7 @@ strings after 25 steps than after the warm-up, on seed 0. This runs the same rec
 seeds and prints each gain, so the margin of that threshold is a measured spread, not one
 trajectory.
 
-    python benchmarks/learning_seeds.py --seeds 0,1,2,3 [--cases grpo,gspo] [--jobs 2]
+    python benchmarks/learning_seeds.py --seeds 0,1,2,3 [--cases grpo,gspo] [--jobs 2] [--set train.updates_per_rollout=2]
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from test_e2e import NUM_EVAL, RL_CASES, run_tiny  # noqa: E402
 CASES = {**RL_CASES, "ppo": ["algorithm.advantage_estimator=ppo", "reward.name=e2e_rewards:signed"]}
 
 
-def one(case: str, seed: int) -> dict:
+def one(case: str, seed: int, extra: tuple[str, ...] = ()) -> dict:
     with tempfile.TemporaryDirectory() as d:
-        summary, _ = run_tiny(Path(d), *CASES[case], f"run.seed={seed}")
+        summary, _ = run_tiny(Path(d), *CASES[case], *extra, f"run.seed={seed}")
     first, last = summary["eval_accuracy_first"], summary["eval_accuracy_last"]
     return {"case": case, "seed": seed, "first": first, "last": last, "gain": round((last - first) * NUM_EVAL)}
 
@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2,3")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes; each uses one thread)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override added to every case")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -53,11 +54,12 @@ def main() -> None:
     rows = []
     with Progress(console=Console(stderr=True)) as progress, cf.ProcessPoolExecutor(args.jobs) as pool:
         task = progress.add_task("runs", total=len(jobs))
-        for fut in cf.as_completed([pool.submit(one, c, s) for c, s in jobs]):
+        for fut in cf.as_completed([pool.submit(one, c, s, tuple(args.set)) for c, s in jobs]):
             rows.append(fut.result())
             progress.advance(task)
     rows.sort(key=lambda r: (cases.index(r["case"]), r["seed"]))
-    table = Table(title=f"held-out gain (of {NUM_EVAL}) after 25 RL steps, by run.seed (the test: >= 5 on seed 0)")
+    title = f"held-out gain (of {NUM_EVAL}) after 25 RL steps, by run.seed (the test: >= 5 on seed 0)"
+    table = Table(title=title + "".join(f"; {kv}" for kv in args.set))
     table.add_column("case", no_wrap=True)
     for s in seeds:
         table.add_column(str(s), justify="right")
