@@ -76,7 +76,9 @@ class MilesSpecs:
 
         ``fn(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> AdvantageOutputs``
         (``miles_core.types``, ``miles_core.algorithms.config``). Selected by
-        ``algorithm.advantage_estimator``.
+        ``algorithm.advantage_estimator``. An estimator whose baseline is the prompt's group of
+        samples (its advantages are 0 for a group of one) sets ``fn.needs_groups = True``; a run
+        with ``rollout.n_samples_per_prompt=1`` is then refused with a ConfigError.
         """
 
     @hookspec

@@ -69,3 +69,10 @@ def test_serve_device_that_is_not_there(cli, tmp_path):
                    {CHAR_TOKENIZER_FILE: CharTokenizer().to_json()})
     line = _one_line_error(cli("serve", str(tmp_path / "m"), "--device", "tpu"))
     assert line == "error: --device 'tpu' is not a torch device (try auto, cpu or cuda)"
+
+
+def test_group_baseline_with_one_sample_leaves_no_run_folder(cli, tmp_path):
+    line = _one_line_error(cli("run", "rollout.n_samples_per_prompt=1", f"run.output_dir={tmp_path / 'runs'}"))
+    assert "advantage_estimator=grpo" in line and "rollout.n_samples_per_prompt >= 2, got 1" in line
+    assert not any((tmp_path / "runs").iterdir())  # refused before anything ran: no folder with only config.yaml
+    assert "n_samples_per_prompt >= 2" in _one_line_error(cli("validate", "rollout.n_samples_per_prompt=1"))

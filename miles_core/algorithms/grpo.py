@@ -45,3 +45,6 @@ def group_normalized(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_s
 def grpo(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> AdvantageOutputs:
     adv = group_normalized(sequence_rewards(inputs, cfg), inputs.group_ids, cfg.normalize_std)
     return AdvantageOutputs(advantages=adv[:, None] * inputs.response_mask)
+
+
+grpo.needs_groups = True  # its baseline is the prompt group (check_algorithm refuses n_samples_per_prompt=1)

@@ -37,3 +37,6 @@ def reinforce_plus_plus_baseline(inputs: AdvantageInputs, cfg: AlgorithmConfig) 
     shaped = token_rewards(replace(inputs, rewards=centered), cfg)
     returns = discounted_returns(shaped, mask, cfg.gamma)
     return AdvantageOutputs(advantages=whiten(returns, mask, shift_mean=False))
+
+
+reinforce_plus_plus_baseline.needs_groups = True  # its baseline is the prompt group (check_algorithm refuses n_samples_per_prompt=1)

@@ -25,3 +25,6 @@ def rloo(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> AdvantageOutputs:
     baseline = (sums - r) / (counts - 1).clamp(min=1)
     adv = (r - baseline) * (counts > 1)
     return AdvantageOutputs(advantages=adv[:, None] * inputs.response_mask)
+
+
+rloo.needs_groups = True  # its baseline is the prompt group (check_algorithm refuses n_samples_per_prompt=1)

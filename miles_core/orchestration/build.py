@@ -126,7 +126,7 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
     loss = regs.policy_losses.get(algo.policy_loss, key="algorithm.policy_loss")
     needs_sft = cfg.train.sft_warmup_steps or cfg.run.mode == "sft"
     sft = regs.policy_losses.get("sft", key="train.sft_warmup_steps") if needs_sft else None
-    check_algorithm(cfg)
+    check_algorithm(cfg, estimator)
     teacher = load_teacher(cfg, families=regs.model_families, vocab_size=model.config.vocab_size)
     regs.precision_recipes.get(cfg.train.precision, key="train.precision")
     return Components(
@@ -146,9 +146,19 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
     )
 
 
-def check_algorithm(cfg: MilesConfig) -> None:
-    """Checks of the algorithm section that need other sections."""
+def check_algorithm(cfg: MilesConfig, estimator=None) -> None:
+    """Checks of the algorithm section that need other sections (and the estimator's ``needs_groups``)."""
     a, r = cfg.algorithm, cfg.rollout
+    if cfg.run.mode != "sft" and r.n_samples_per_prompt < 2:
+        # a group of one sample has no baseline: every advantage would be 0 and nothing would be learned
+        if getattr(estimator, "needs_groups", False):
+            raise ConfigError(
+                f"algorithm.advantage_estimator={a.advantage_estimator} compares the samples of a prompt with each other: "
+                f"it needs rollout.n_samples_per_prompt >= 2, got {r.n_samples_per_prompt}"
+            )
+        if a.dynamic_sampling:
+            raise ConfigError("algorithm.dynamic_sampling drops groups whose rewards are all equal, which a group of one "
+                              f"always is: it needs rollout.n_samples_per_prompt >= 2, got {r.n_samples_per_prompt}")
     if a.overlong_buffer >= r.max_response_len:
         raise ConfigError(
             f"algorithm.overlong_buffer ({a.overlong_buffer}) must be below rollout.max_response_len ({r.max_response_len})"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -38,7 +39,12 @@ def run(cfg: MilesConfig, plugins: MilesPlugins, console: Console | None = None)
     console.print(plugins_table(plugins.info()))
     out = new_output_dir(cfg)
     (out / "config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
-    c = build(cfg, plugins, out)
+    try:
+        c = build(cfg, plugins, out)
+    except BaseException:
+        if [f.name for f in out.iterdir()] == ["config.yaml"]:  # refused before anything ran: no run folder left behind
+            shutil.rmtree(out)
+        raise
     console.print(
         f"[bold]run[/] {cfg.run.name}: task {cfg.data.task}, {cfg.algorithm.advantage_estimator} + "
         f"{cfg.algorithm.policy_loss}, reward {c.reward_name}, device {c.ctx.device}, "

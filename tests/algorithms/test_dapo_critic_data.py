@@ -168,3 +168,22 @@ def test_overlong_buffer_must_fit_the_response(tmp_path):
 
     with pytest.raises(ConfigError, match=r"algorithm\.overlong_buffer \(8\) must be below rollout\.max_response_len \(8\)"):
         check_algorithm(load_config(None, ["algorithm.overlong_buffer=8", "rollout.max_response_len=8"]))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+def test_group_baselines_refuse_one_sample_per_prompt(tmp_path, estimator):
+    """A group of one has no baseline: every advantage would be 0 and the run would learn nothing, silently."""
+    from miles_core.orchestration.build import check_algorithm
+    from miles_core.plugins.manager import MilesPlugins
+
+    fn = MilesPlugins(autoload=False).registries.advantage_estimators.get(estimator)
+    cfg = load_config(None, [f"algorithm.advantage_estimator={estimator}", "rollout.n_samples_per_prompt=1"])
+    with pytest.raises(ConfigError, match=rf"advantage_estimator={estimator} .* rollout\.n_samples_per_prompt >= 2, got 1"):
+        check_algorithm(cfg, fn)
+    check_algorithm(load_config(None, [f"algorithm.advantage_estimator={estimator}", "rollout.n_samples_per_prompt=2"]), fn)
+    for other in ("reinforce_plus_plus", "ppo"):  # a batch-wide baseline or a critic: one sample is fine
+        check_algorithm(load_config(None, [f"algorithm.advantage_estimator={other}", "rollout.n_samples_per_prompt=1"]),
+                        MilesPlugins(autoload=False).registries.advantage_estimators.get(other))
+    with pytest.raises(ConfigError, match=r"algorithm\.dynamic_sampling .* rollout\.n_samples_per_prompt >= 2, got 1"):
+        check_algorithm(load_config(None, ["algorithm.advantage_estimator=ppo", "algorithm.dynamic_sampling=true",
+                                           "rollout.n_samples_per_prompt=1"]))
