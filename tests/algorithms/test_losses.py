@@ -114,6 +114,9 @@ def test_tis_and_mis_at_token_and_sequence_level():
     w, m = mismatch_weights(old, rollout, mask, AlgorithmConfig(mismatch_correction="mis", mismatch_cap=2.0, mismatch_floor=0.4))
     assert torch.allclose(w, T([[0.0, 0.5, 0.0]]))
     assert m["mismatch_masked_frac"] == pytest.approx(0.5)
+    w, m = mismatch_weights(old, rollout, mask, AlgorithmConfig(mismatch_correction="mis", mismatch_cap=4.0, mismatch_floor=0.6))
+    assert torch.allclose(w, T([[3.0, 0.0, 0.0]]))  # 0.5 is below the floor
+    assert m["mismatch_masked_frac"] == pytest.approx(0.5)
     # sequence level: w = 3 * 0.5 = 1.5 for every token
     w, _ = mismatch_weights(old, rollout, mask, AlgorithmConfig(mismatch_correction="tis", mismatch_level="sequence"))
     assert torch.allclose(w, T([[1.5, 1.5, 0.0]]))
