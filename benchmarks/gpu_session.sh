@@ -37,6 +37,7 @@
 #   bash benchmarks/gpu_session.sh s24      # rollout GPU tests; on an H200 only, the rollout bench with HF at 64, 1, 256
 #   bash benchmarks/gpu_session.sh s25      # s24 with the algorithm and weight-sync GPU tests too
 #   bash benchmarks/gpu_session.sh s25b     # short s25: the engine and algorithm GPU tests; on an H200 the bench at 64, 256
+#   bash benchmarks/gpu_session.sh s25c     # shortest: the update/release/resume GPU test; on an H200 the bench at 64
 #   bash benchmarks/gpu_session.sh s24b     # the update/release/resume GPU test; on an H200 only, the rollout bench with HF at 64, 256
 #   bash benchmarks/gpu_session.sh s18      # s14 without batch 1 (rollout GPU tests; batch 64 and 256 with HF)
 #   bash benchmarks/gpu_session.sh s16      # the engine's transformers path (transformers_runner.py) against HF generate at batch 1 and 64
@@ -214,6 +215,9 @@ print(min(t)[1].strip('()').replace(' ', '') if t else '')")
     s25b)
       timeout 150 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout/test_gpu_engine.py tests/algorithms/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
       bench_on_h200 64,256 ;;
+    s25c)
+      timeout 60 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout/test_gpu_engine.py -k fresh_engine 2>&1 | tee "$OUT/fresh_engine_test.log" | tail -3
+      bench_on_h200 64 ;;
     s24b)
       timeout 90 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout/test_gpu_engine.py -k fresh_engine 2>&1 | tee "$OUT/fresh_engine_test.log" | tail -4
       bench_on_h200 64,256 ;;
