@@ -8,9 +8,10 @@ from helpers import tiny
 
 from miles_core.errors import DataError, MilesUserError
 from miles_core.rollout.base import SamplingParams
+from miles_core.rollout.engine_core.blocks import BlockManager
 from miles_core.rollout.engine_core.config import EngineConfig
 from miles_core.rollout.engine_core.core import EngineCore
-from miles_core.rollout.engine_core.request import Status
+from miles_core.rollout.engine_core.request import Request, Status
 
 
 def engine(model=None, **kw):
@@ -106,6 +107,78 @@ def test_shared_pages_are_refcounted_and_freed():
     drain(core)
     assert core.blocks.num_free == free0  # everything back (cached pages stay evictable)
     assert core.flush_cache() and not core.blocks.cached
+
+
+def _computed(blocks, ids, name=None):
+    """A request given pages for ``ids`` by ``blocks`` (a BlockManager), all of them computed and committed."""
+    r = Request(name or str(ids), list(ids), SamplingParams(), 0, frozenset())
+    assert blocks.admit(r, r.num_tokens)
+    r.num_computed = r.num_tokens
+    blocks.commit(r)
+    return r
+
+
+def _cached_pages(blocks):
+    return sorted(key[1] for key in blocks.cached)
+
+
+def test_eviction_takes_the_least_recently_freed_page_and_a_prefix_tail_first():
+    blocks = BlockManager(num_blocks=5, block_size=2)  # pages 1..4
+    a = _computed(blocks, [1, 2, 3, 4, 5])  # pages [1 2] [3 4] cached, [5] partial
+    blocks.free_request(a)
+    b = _computed(blocks, [7, 8, 9])
+    blocks.free_request(b)
+    assert _cached_pages(blocks) == [(1, 2), (3, 4), (7, 8)] and blocks.num_free == 4
+    c = Request("c", [20, 21, 22], SamplingParams(), 0, frozenset())
+    assert blocks.admit(c, 3)  # 2 pages: the one free page and one evicted
+    # a's pages were freed before b's, and a's tail before its head: [3 4] goes, a's first page stays usable
+    assert _cached_pages(blocks) == [(1, 2), (7, 8)]
+    blocks.free_request(c)
+    again = Request("a2", [1, 2, 3, 4, 5], SamplingParams(), 0, frozenset())
+    assert blocks.admit(again, 5) and again.num_cached == 2
+
+
+def test_admission_does_not_count_the_prefix_pages_it_reuses_as_free():
+    blocks = BlockManager(num_blocks=4, block_size=2)  # pages 1..3
+    a = _computed(blocks, [1, 2, 3, 4, 5])
+    blocks.free_request(a)  # [1 2] [3 4] evictable, the partial page free: 3 pages free
+    assert blocks.num_free == 3
+    b = Request("b", [1, 2, 3, 4, 9, 9, 9], SamplingParams(), 0, frozenset())
+    # reuses the 2 cached pages and needs 2 more, but only 1 page is free besides them
+    assert not blocks.admit(b, 7)
+    assert b.block_ids == [] and blocks.num_free == 3 and _cached_pages(blocks) == [(1, 2), (3, 4)]
+    c = Request("c", [1, 2, 3, 4, 9], SamplingParams(), 0, frozenset())
+    assert blocks.admit(c, 5) and c.num_cached == 4
+    assert len(set(c.block_ids)) == 3 and blocks.num_free == 0
+
+
+def test_the_same_prefix_computed_twice_is_cached_once_and_every_page_comes_back():
+    blocks = BlockManager(num_blocks=5, block_size=2)
+    a = Request("a", [1, 2, 3], SamplingParams(), 0, frozenset())
+    b = Request("b", [1, 2, 3], SamplingParams(), 0, frozenset())
+    assert blocks.admit(a, 3) and blocks.admit(b, 3)  # both before either is computed: no sharing
+    for r in (a, b):
+        r.num_computed = 3
+        blocks.commit(r)
+    assert blocks.cached == {(0, (1, 2)): a.block_ids[0]} and blocks.key_of[b.block_ids[0]] is None
+    blocks.free_request(a)
+    blocks.free_request(b)
+    assert blocks.num_free == 4
+    big = Request("big", list(range(10, 18)), SamplingParams(), 0, frozenset())
+    assert blocks.admit(big, 8) and sorted(big.block_ids) == [1, 2, 3, 4] and not blocks.cached
+
+
+def test_flush_forgets_every_prefix_and_pages_come_back_free():
+    blocks = BlockManager(num_blocks=5, block_size=2)
+    done = _computed(blocks, [1, 2, 3])
+    blocks.free_request(done)
+    held = _computed(blocks, [5, 6, 7])  # in use during the flush
+    blocks.flush()
+    assert not blocks.cached and blocks.num_free == 2
+    blocks.free_request(held)
+    assert blocks.num_free == 4 and not blocks.evictable
+    big = Request("big", [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(), 0, frozenset())
+    assert blocks.admit(big, 8) and big.num_cached == 0 and sorted(big.block_ids) == [1, 2, 3, 4]
 
 
 def test_chunked_prefill_and_preemption_give_the_same_tokens():
