@@ -195,6 +195,59 @@ def test_chunked_prefill_and_preemption_give_the_same_tokens():
     assert [r.output_ids for r in reqs] == refs
 
 
+def test_preemption_takes_the_most_recently_admitted_request():
+    params = SamplingParams(max_new_tokens=20, temperature=0.7, seed=3)
+    core = engine(max_batched_tokens=3, num_blocks=12, max_model_len=40)
+    sched, preempt, victims = core.scheduler, core.scheduler.preempt, []
+
+    def spy(req):
+        victims.append((req, list(sched.running)))  # the running list is in admission order
+        preempt(req)
+
+    sched.preempt = spy
+    for p in (P1, P2, P3):
+        core.add_request(p, params)
+    drain(core)
+    assert any(len(running) > 1 for _, running in victims)
+    assert all(victim is running[-1] for victim, running in victims)
+
+
+def test_a_prefill_step_is_followed_by_a_decode_step_while_a_long_prompt_is_chunked():
+    core = engine(max_batched_tokens=4)
+    kinds = []
+    schedule = core.scheduler.schedule
+
+    def spy():
+        plan = schedule()
+        kinds.append(type(plan).__name__)
+        return plan
+
+    core.scheduler.schedule = spy
+    (a,) = core.add_request(P2, SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True))
+    while not a.output_ids:
+        core.step()
+    (b,) = core.add_request(P3, SamplingParams(max_new_tokens=3, temperature=0))  # 13 tokens: chunks of 4, 4, 4, 1
+    kinds.clear()
+    for _ in range(8):  # a's prefill was the last step: a decodes, then b's chunks alternate with a's windows
+        core.step()
+    assert kinds == ["DecodePlan", "PrefillPlan"] * 4
+    assert len(b.output_ids) == 1 and len(a.output_ids) == 1 + 4 * 3
+
+
+def test_a_request_that_does_not_fit_holds_back_the_ones_behind_it():
+    core = engine(num_blocks=7, max_model_len=20)  # 6 pages of 4 tokens
+    assert core.blocks.num_free == 6
+    greedy = SamplingParams(max_new_tokens=3, temperature=0)
+    (a,) = core.add_request(list(range(1, 17)), greedy)  # 4 pages
+    (b,) = core.add_request(list(range(30, 42)), greedy)  # 3 pages: waits for a
+    (c,) = core.add_request([60, 61, 62], greedy)  # 1 page would fit, but c came after b
+    core.step()
+    assert [r.status for r in (a, b, c)] == [Status.RUNNING, Status.WAITING, Status.WAITING]
+    drain(core)
+    for r in (a, b, c):
+        assert r.finished and r.output_ids == alone(r.prompt_ids, greedy).output_ids
+
+
 def test_abort_running_request():
     core = engine()
     (r,) = core.add_request(P1, SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True))
@@ -363,3 +416,21 @@ def test_decode_window_is_no_longer_than_the_rows_need():
     # after the prefill's token: a needs 3 more, b 11: one window of 8 (a ends inside it), then b's last 3
     assert [p.steps for p in plans] == [8, 3]
     assert len(a.output_ids) == 4 and len(b.output_ids) == 12
+
+
+def test_a_decode_window_takes_no_pages_past_a_request_s_final_length():
+    core = engine(decode_steps=8)
+    held = []
+    decode = core.scheduler._decode
+
+    def spy(reqs):
+        plan = decode(reqs)
+        held.append([len(r.block_ids) for r in (a, b)])
+        return plan
+
+    core.scheduler._decode = spy
+    a = core.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0))[0]
+    b = core.add_request([4, 5], SamplingParams(max_new_tokens=12, temperature=0))[0]
+    drain(core)
+    # the first window runs 8 steps for b; a ends at 7 tokens and only ever needs the K/V of 6: 2 pages, not 3
+    assert held[0] == [2, 3]
