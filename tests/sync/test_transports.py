@@ -89,6 +89,20 @@ def test_distributed_gloo_over_loopback(served):
     assert transport._name == group
 
 
+def test_buckets_fill_up_to_the_byte_bound_in_order():
+    from miles_core.sync.buckets import buckets
+
+    f32 = lambda n: torch.zeros(n)  # noqa: E731  4 bytes an element
+    w = {"a": f32(2), "b": f32(2), "c": f32(5), "d": f32(1), "e": f32(1), "f": f32(1), "g": f32(1), "h": f32(1),
+         "i": torch.zeros(8, dtype=torch.bfloat16)}
+    got = [[name for name, _ in b] for b in buckets(w, 16)]
+    # a + b fill 16 bytes exactly; c (20 bytes) is larger than a bucket: alone; i (16 bytes of bf16) closes the last
+    assert got == [["a", "b"], ["c"], ["d", "e", "f", "g"], ["h"], ["i"]]
+    flat = [t for b in buckets(w, 16) for _, t in b]
+    assert len(flat) == len(w) and all(x is y for x, y in zip(flat, w.values()))
+    assert buckets({}, 16) == []
+
+
 def test_distributed_rejects_builtin_engine():
     from miles_core.errors import ConfigError
 
