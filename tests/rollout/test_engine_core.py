@@ -341,6 +341,12 @@ def test_rejects_bad_requests():
         core.add_request(list(range(40)), SamplingParams())
     with pytest.raises(DataError, match="input_ids"):
         core.add_request([1, 999], SamplingParams())
+    # top logprobs past the vocabulary would make the step's top-k fail, and every request in that step with it
+    with pytest.raises(DataError, match=r"top_logprobs must be in \[0, 80\], got 81"):
+        core.add_request([1, 2], SamplingParams(top_logprobs=81))
+    (r,) = core.add_request([1, 2], SamplingParams(max_new_tokens=2, temperature=0, top_logprobs=80))
+    drain(core)
+    assert [len(row) for row in r.top_logprobs] == [80, 80]
 
 
 def test_a_response_ends_at_max_model_len():

@@ -103,6 +103,9 @@ def test_bad_requests_name_the_field(client):
         ("/v1/completions", {"prompt": "a", "logprobs": 21}, "'logprobs'"),
         ("/v1/completions", {"prompt": "a", "temperature": -1}, "temperature"),
         ("/v1/completions", {"prompt": "a", "n": 0}, "n"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1000}, "'top_logprobs'"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": -1}, "'top_logprobs'"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": "3"}, "'top_logprobs'"),
     ]:
         status, out = client.post(path, body)
         assert status == 400 and reason in out["error"]["message"], (path, body, out)
