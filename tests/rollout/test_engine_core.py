@@ -347,6 +347,15 @@ def test_rejects_bad_requests():
     (r,) = core.add_request([1, 2], SamplingParams(max_new_tokens=2, temperature=0, top_logprobs=80))
     drain(core)
     assert [len(row) for row in r.top_logprobs] == [80, 80]
+    # so would a seed past 64 bits (the n samples take seed, seed + 1, ...)
+    with pytest.raises(DataError, match="seed must be a 64-bit integer"):
+        core.add_request([1, 2], SamplingParams(seed=1 << 70))
+    with pytest.raises(DataError, match=r"with n=2: at most 2\*\*63 - 2"):
+        core.add_request([1, 2], SamplingParams(seed=(1 << 63) - 1), n=2)
+    assert not core.requests
+    group = core.add_request([1, 2], SamplingParams(max_new_tokens=2, seed=(1 << 63) - 2), n=2) + core.add_request([3], SamplingParams(max_new_tokens=2, seed=-(1 << 63)))
+    drain(core)
+    assert all(len(r.output_ids) == 2 for r in group)
 
 
 def test_a_response_ends_at_max_model_len():
