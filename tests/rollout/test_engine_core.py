@@ -152,6 +152,14 @@ def test_admission_does_not_count_the_prefix_pages_it_reuses_as_free():
     assert len(set(c.block_ids)) == 3 and blocks.num_free == 0
 
 
+def test_pages_needed_for_a_number_of_tokens():
+    blocks = BlockManager(num_blocks=9, block_size=4)
+    r = Request("r", [1, 2, 3], SamplingParams(), 0, frozenset())
+    assert [blocks.blocks_needed(r, n) for n in (1, 4, 5, 8, 9)] == [1, 1, 2, 2, 3]
+    assert blocks.grow(r, 8) and len(r.block_ids) == 2 and blocks.num_free == 6
+    assert blocks.blocks_needed(r, 8) == 0 and blocks.grow(r, 9) and len(r.block_ids) == 3
+
+
 def test_the_same_prefix_computed_twice_is_cached_once_and_every_page_comes_back():
     blocks = BlockManager(num_blocks=5, block_size=2)
     a = Request("a", [1, 2, 3], SamplingParams(), 0, frozenset())
@@ -258,6 +266,27 @@ def test_abort_running_request():
     outs = core.step()
     assert outs[0].finished and r.finish_reason == "abort"
     assert not core.has_unfinished() and core.blocks.num_free == core.blocks.num_blocks - 1
+
+
+def test_abort_waiting_request_and_fork_without_a_free_row():
+    core = engine(max_num_seqs=1)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0)
+    (a,) = core.add_request(P1, greedy)
+    (b,) = core.add_request(P2, greedy)
+    core.step()
+    assert b.status is Status.WAITING and core.abort(b.request_id)
+    drain(core)
+    assert a.output_ids == alone(P1, greedy).output_ids
+    assert b.output_ids == [] and b.finish_reason == "abort" and not core.scheduler.waiting
+    # a group larger than the rows: the leader and one follower run, the last waits for a row
+    core = engine(max_num_seqs=2)
+    sampled = SamplingParams(max_new_tokens=4, temperature=1.0, seed=2)
+    group = core.add_request(P3, sampled, n=3)
+    core.step()
+    assert [r.status for r in group] == [Status.RUNNING, Status.RUNNING, Status.WAITING]
+    drain(core)
+    for i, r in enumerate(group):
+        assert r.output_ids == alone(P3, SamplingParams(max_new_tokens=4, temperature=1.0, seed=2 + i)).output_ids
 
 
 def test_stop_token_and_stop_string_and_length():

@@ -33,6 +33,15 @@ def test_draws_follow_softmax_with_temperature():
     assert torch.allclose(lp, torch.log(p)[tok], atol=1e-6)  # logprob under softmax(z / T), before filters
 
 
+def test_a_small_positive_temperature_samples_rather_than_decoding_greedily():
+    """T = 0.0005: the draw is the argmax all but surely, but its logprob is under softmax(z / T) (about 0), as the
+    trainer recomputes it, not under softmax(z) as for T = 0."""
+    tok, lp, _ = draw(SamplingParams(temperature=0.0005), n=8)
+    assert tok.tolist() == [0] * 8 and lp.abs().max() < 1e-6
+    tok, lp, _ = draw(SamplingParams(temperature=0), n=8)
+    assert tok.tolist() == [0] * 8 and torch.allclose(lp, torch.log_softmax(LOGITS, -1)[0].expand(8))
+
+
 def test_top_k_top_p_min_p_restrict_the_support():
     tok, _, _ = draw(SamplingParams(temperature=1.0, top_k=2))
     assert set(tok.tolist()) == {0, 1}
