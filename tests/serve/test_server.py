@@ -312,6 +312,7 @@ def test_weight_updates_memory_and_cache(client, server, model_dir, tmp_path):
     assert status == 200 and res["weight_version"] == "4"
     assert client.post("/generate", body)[1]["output_ids"] == before
     assert client.post("/update_weights_from_tensor", {"named_tensors": [{"name": "x"}]})[0] == 400
+    assert client.post("/update_weights_from_tensor", {"named_tensors": [], "weight_version": 9})[0] == 400
     status, res = client.post("/update_weights_from_disk", {"model_path": str(tmp_path)})
     assert status == 400 and "has no *.safetensors file" in res["error"]["message"]
     (tmp_path / "model.safetensors").write_bytes((model_dir / "model.safetensors").read_bytes()[:100])  # cut short
