@@ -69,6 +69,10 @@ def test_wrong_type_names_the_key():
 def test_bad_value_names_the_key():
     with pytest.raises(ConfigError, match="rollout.top_p must be in"):
         load_config(None, ["rollout.top_p=1.5"])
+    with pytest.raises(ConfigError, match="sync.bucket_mb must be > 0, got 0"):
+        load_config(None, ["sync.bucket_mb=0"])
+    with pytest.raises(ConfigError, match="sync.dist_backend must be auto, gloo or nccl, got 'mpi'"):
+        load_config(None, ["sync.dist_backend=mpi"])
 
 
 def test_invalid_yaml_names_the_line(tmp_path):

@@ -68,3 +68,46 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
         _run(tmp_path / "b", f"run.save={save}", "run.save_interval=1", f"run.load={save}", "run.num_rollout=3")
     assert find_checkpoint(save).name == "step_000002"
     assert not (save / "step_000003").exists()
+    monkeypatch.undo()  # the next save, over the killed one's leftover .tmp folder, goes through
+    _run(tmp_path / "c", f"run.save={save}", "run.save_interval=1", f"run.load={save}", "run.num_rollout=3")
+    assert find_checkpoint(save).name == "step_000003" and not (save / ".tmp-step_000003").exists()
+
+
+def test_a_step_saved_again_replaces_the_old_folder(tmp_path):
+    """Killed between renaming step_000002 into place and moving ``latest`` on: the resumed run (from step 1)
+    saves step 2 again over the folder there."""
+    save = tmp_path / "save"
+    _run(tmp_path / "a", f"run.save={save}", "run.save_interval=1", "run.num_rollout=2")
+    (save / "latest").write_text("step_000001")
+    (save / "step_000002" / "stale").write_text("from the killed run")
+    _run(tmp_path / "b", f"run.save={save}", "run.save_interval=1", f"run.load={save}", "run.num_rollout=2")
+    assert find_checkpoint(save).name == "step_000002" and not (save / "step_000002" / "stale").exists()
+
+
+def test_a_checkpoint_restores_the_rng_states_and_refuses_what_it_cannot_restore(tmp_path):
+    import random
+    from types import SimpleNamespace
+
+    import torch
+
+    from miles_core.errors import ConfigError
+    from miles_core.orchestration.checkpoint import load_checkpoint
+
+    save = tmp_path / "save"
+    _run(tmp_path / "a", f"run.save={save}", "run.save_interval=1", "run.num_rollout=1")
+    ckpt = find_checkpoint(save)
+    trainer = SimpleNamespace(load=lambda path: None)  # the trainer's own state is test_killed_and_resumed's
+    draws = []
+    for _ in range(2):
+        random.random()  # move both generators on
+        torch.rand(3)
+        state = load_checkpoint(ckpt, trainer, None)
+        draws.append((random.random(), torch.rand(3).tolist()))
+    assert draws[0] == draws[1] and state.step == 1
+    (ckpt / "rng_rank0.pt").unlink()
+    with pytest.raises(ConfigError, match="has no rng_rank0.pt; resume with the world size it was saved with"):
+        load_checkpoint(ckpt, trainer, None)
+    (ckpt / "loop.json").unlink()
+    with pytest.raises(ConfigError, match="names 'step_000001', which is not a complete checkpoint"):
+        find_checkpoint(save)
+    assert find_checkpoint(tmp_path / "nothing-here") is None

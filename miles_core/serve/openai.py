@@ -47,7 +47,9 @@ def _item(server, body: dict, chat: bool) -> GenerateItem:
     params, n = parse_sampling(sp)
     top = 0
     if chat and body.get("logprobs"):
-        top = int(body.get("top_logprobs") or 0)
+        top = body.get("top_logprobs") or 0
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+            raise BadRequest("'top_logprobs' must be an integer in [0, 20]")
     elif not chat and body.get("logprobs") is not None:
         top = body["logprobs"]
         if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:

@@ -69,13 +69,28 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills(tmp_path):
     # round 1 kept 1 of 3 groups -> asks for (3 - 1) / (1/3) = 6 more prompts, which fill the batch
     assert backend.calls == [3, 6]
     assert m["dynamic_sampling_rounds"] == 1.0 and m["dynamic_sampling_kept_groups"] == 3.0
+    assert m["dynamic_sampling_generated_groups"] == 9.0
 
 
 def test_dynamic_sampling_gives_up_after_max_rounds(tmp_path):
     c = _components(tmp_path, "algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_rounds=2")
     backend = FakeBackend()
     samples, m = collect(c, backend, _stream(["same"] * 200), SamplingParams())
-    assert samples == [] and len(backend.calls) == 3 and m["dynamic_sampling_kept_groups"] == 0.0
+    assert samples == [] and m["dynamic_sampling_kept_groups"] == 0.0
+    # nothing kept: the keep rate counts as its floor 1/8, so each extra round asks for 8 times the 3 missing groups
+    assert backend.calls == [3, 24, 24]
+
+
+def test_collect_passes_on_the_backend_s_metrics(tmp_path):
+    class Reporting(FakeBackend):
+        def pop_metrics(self):
+            return {"engine_restarts": 1.0}
+
+    _, m = collect(_components(tmp_path), Reporting(), _stream(["mixed"] * 3), SamplingParams())
+    assert m == {"engine_restarts": 1.0}
+    c = _components(tmp_path, "algorithm.dynamic_sampling=true")
+    _, m = collect(c, Reporting(), _stream(["mixed"] * 3), SamplingParams())
+    assert m["engine_restarts"] == 1.0 and m["dynamic_sampling_kept_groups"] == 3.0
 
 
 def test_overlong_shaping_changes_rewards(tmp_path):

@@ -8,9 +8,10 @@ from helpers import tiny
 
 from miles_core.errors import DataError, MilesUserError
 from miles_core.rollout.base import SamplingParams
+from miles_core.rollout.engine_core.blocks import BlockManager
 from miles_core.rollout.engine_core.config import EngineConfig
 from miles_core.rollout.engine_core.core import EngineCore
-from miles_core.rollout.engine_core.request import Status
+from miles_core.rollout.engine_core.request import Request, Status
 
 
 def engine(model=None, **kw):
@@ -108,6 +109,86 @@ def test_shared_pages_are_refcounted_and_freed():
     assert core.flush_cache() and not core.blocks.cached
 
 
+def _computed(blocks, ids, name=None):
+    """A request given pages for ``ids`` by ``blocks`` (a BlockManager), all of them computed and committed."""
+    r = Request(name or str(ids), list(ids), SamplingParams(), 0, frozenset())
+    assert blocks.admit(r, r.num_tokens)
+    r.num_computed = r.num_tokens
+    blocks.commit(r)
+    return r
+
+
+def _cached_pages(blocks):
+    return sorted(key[1] for key in blocks.cached)
+
+
+def test_eviction_takes_the_least_recently_freed_page_and_a_prefix_tail_first():
+    blocks = BlockManager(num_blocks=5, block_size=2)  # pages 1..4
+    a = _computed(blocks, [1, 2, 3, 4, 5])  # pages [1 2] [3 4] cached, [5] partial
+    blocks.free_request(a)
+    b = _computed(blocks, [7, 8, 9])
+    blocks.free_request(b)
+    assert _cached_pages(blocks) == [(1, 2), (3, 4), (7, 8)] and blocks.num_free == 4
+    c = Request("c", [20, 21, 22], SamplingParams(), 0, frozenset())
+    assert blocks.admit(c, 3)  # 2 pages: the one free page and one evicted
+    # a's pages were freed before b's, and a's tail before its head: [3 4] goes, a's first page stays usable
+    assert _cached_pages(blocks) == [(1, 2), (7, 8)]
+    blocks.free_request(c)
+    again = Request("a2", [1, 2, 3, 4, 5], SamplingParams(), 0, frozenset())
+    assert blocks.admit(again, 5) and again.num_cached == 2
+
+
+def test_admission_does_not_count_the_prefix_pages_it_reuses_as_free():
+    blocks = BlockManager(num_blocks=4, block_size=2)  # pages 1..3
+    a = _computed(blocks, [1, 2, 3, 4, 5])
+    blocks.free_request(a)  # [1 2] [3 4] evictable, the partial page free: 3 pages free
+    assert blocks.num_free == 3
+    b = Request("b", [1, 2, 3, 4, 9, 9, 9], SamplingParams(), 0, frozenset())
+    # reuses the 2 cached pages and needs 2 more, but only 1 page is free besides them
+    assert not blocks.admit(b, 7)
+    assert b.block_ids == [] and blocks.num_free == 3 and _cached_pages(blocks) == [(1, 2), (3, 4)]
+    c = Request("c", [1, 2, 3, 4, 9], SamplingParams(), 0, frozenset())
+    assert blocks.admit(c, 5) and c.num_cached == 4
+    assert len(set(c.block_ids)) == 3 and blocks.num_free == 0
+
+
+def test_pages_needed_for_a_number_of_tokens():
+    blocks = BlockManager(num_blocks=9, block_size=4)
+    r = Request("r", [1, 2, 3], SamplingParams(), 0, frozenset())
+    assert [blocks.blocks_needed(r, n) for n in (1, 4, 5, 8, 9)] == [1, 1, 2, 2, 3]
+    assert blocks.grow(r, 8) and len(r.block_ids) == 2 and blocks.num_free == 6
+    assert blocks.blocks_needed(r, 8) == 0 and blocks.grow(r, 9) and len(r.block_ids) == 3
+
+
+def test_the_same_prefix_computed_twice_is_cached_once_and_every_page_comes_back():
+    blocks = BlockManager(num_blocks=5, block_size=2)
+    a = Request("a", [1, 2, 3], SamplingParams(), 0, frozenset())
+    b = Request("b", [1, 2, 3], SamplingParams(), 0, frozenset())
+    assert blocks.admit(a, 3) and blocks.admit(b, 3)  # both before either is computed: no sharing
+    for r in (a, b):
+        r.num_computed = 3
+        blocks.commit(r)
+    assert blocks.cached == {(0, (1, 2)): a.block_ids[0]} and blocks.key_of[b.block_ids[0]] is None
+    blocks.free_request(a)
+    blocks.free_request(b)
+    assert blocks.num_free == 4
+    big = Request("big", list(range(10, 18)), SamplingParams(), 0, frozenset())
+    assert blocks.admit(big, 8) and sorted(big.block_ids) == [1, 2, 3, 4] and not blocks.cached
+
+
+def test_flush_forgets_every_prefix_and_pages_come_back_free():
+    blocks = BlockManager(num_blocks=5, block_size=2)
+    done = _computed(blocks, [1, 2, 3])
+    blocks.free_request(done)
+    held = _computed(blocks, [5, 6, 7])  # in use during the flush
+    blocks.flush()
+    assert not blocks.cached and blocks.num_free == 2
+    blocks.free_request(held)
+    assert blocks.num_free == 4 and not blocks.evictable
+    big = Request("big", [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(), 0, frozenset())
+    assert blocks.admit(big, 8) and big.num_cached == 0 and sorted(big.block_ids) == [1, 2, 3, 4]
+
+
 def test_chunked_prefill_and_preemption_give_the_same_tokens():
     params = SamplingParams(max_new_tokens=20, temperature=0.7, seed=3)
     refs = [alone(p, params).output_ids for p in (P1, P2, P3)]
@@ -122,6 +203,59 @@ def test_chunked_prefill_and_preemption_give_the_same_tokens():
     assert [r.output_ids for r in reqs] == refs
 
 
+def test_preemption_takes_the_most_recently_admitted_request():
+    params = SamplingParams(max_new_tokens=20, temperature=0.7, seed=3)
+    core = engine(max_batched_tokens=3, num_blocks=12, max_model_len=40)
+    sched, preempt, victims = core.scheduler, core.scheduler.preempt, []
+
+    def spy(req):
+        victims.append((req, list(sched.running)))  # the running list is in admission order
+        preempt(req)
+
+    sched.preempt = spy
+    for p in (P1, P2, P3):
+        core.add_request(p, params)
+    drain(core)
+    assert any(len(running) > 1 for _, running in victims)
+    assert all(victim is running[-1] for victim, running in victims)
+
+
+def test_a_prefill_step_is_followed_by_a_decode_step_while_a_long_prompt_is_chunked():
+    core = engine(max_batched_tokens=4)
+    kinds = []
+    schedule = core.scheduler.schedule
+
+    def spy():
+        plan = schedule()
+        kinds.append(type(plan).__name__)
+        return plan
+
+    core.scheduler.schedule = spy
+    (a,) = core.add_request(P2, SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True))
+    while not a.output_ids:
+        core.step()
+    (b,) = core.add_request(P3, SamplingParams(max_new_tokens=3, temperature=0))  # 13 tokens: chunks of 4, 4, 4, 1
+    kinds.clear()
+    for _ in range(8):  # a's prefill was the last step: a decodes, then b's chunks alternate with a's windows
+        core.step()
+    assert kinds == ["DecodePlan", "PrefillPlan"] * 4
+    assert len(b.output_ids) == 1 and len(a.output_ids) == 1 + 4 * 3
+
+
+def test_a_request_that_does_not_fit_holds_back_the_ones_behind_it():
+    core = engine(num_blocks=7, max_model_len=20)  # 6 pages of 4 tokens
+    assert core.blocks.num_free == 6
+    greedy = SamplingParams(max_new_tokens=3, temperature=0)
+    (a,) = core.add_request(list(range(1, 17)), greedy)  # 4 pages
+    (b,) = core.add_request(list(range(30, 42)), greedy)  # 3 pages: waits for a
+    (c,) = core.add_request([60, 61, 62], greedy)  # 1 page would fit, but c came after b
+    core.step()
+    assert [r.status for r in (a, b, c)] == [Status.RUNNING, Status.WAITING, Status.WAITING]
+    drain(core)
+    for r in (a, b, c):
+        assert r.finished and r.output_ids == alone(r.prompt_ids, greedy).output_ids
+
+
 def test_abort_running_request():
     core = engine()
     (r,) = core.add_request(P1, SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True))
@@ -132,6 +266,27 @@ def test_abort_running_request():
     outs = core.step()
     assert outs[0].finished and r.finish_reason == "abort"
     assert not core.has_unfinished() and core.blocks.num_free == core.blocks.num_blocks - 1
+
+
+def test_abort_waiting_request_and_fork_without_a_free_row():
+    core = engine(max_num_seqs=1)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0)
+    (a,) = core.add_request(P1, greedy)
+    (b,) = core.add_request(P2, greedy)
+    core.step()
+    assert b.status is Status.WAITING and core.abort(b.request_id)
+    drain(core)
+    assert a.output_ids == alone(P1, greedy).output_ids
+    assert b.output_ids == [] and b.finish_reason == "abort" and not core.scheduler.waiting
+    # a group larger than the rows: the leader and one follower run, the last waits for a row
+    core = engine(max_num_seqs=2)
+    sampled = SamplingParams(max_new_tokens=4, temperature=1.0, seed=2)
+    group = core.add_request(P3, sampled, n=3)
+    core.step()
+    assert [r.status for r in group] == [Status.RUNNING, Status.RUNNING, Status.WAITING]
+    drain(core)
+    for i, r in enumerate(group):
+        assert r.output_ids == alone(P3, SamplingParams(max_new_tokens=4, temperature=1.0, seed=2 + i)).output_ids
 
 
 def test_stop_token_and_stop_string_and_length():
@@ -215,6 +370,21 @@ def test_rejects_bad_requests():
         core.add_request(list(range(40)), SamplingParams())
     with pytest.raises(DataError, match="input_ids"):
         core.add_request([1, 999], SamplingParams())
+    # top logprobs past the vocabulary would make the step's top-k fail, and every request in that step with it
+    with pytest.raises(DataError, match=r"top_logprobs must be in \[0, 80\], got 81"):
+        core.add_request([1, 2], SamplingParams(top_logprobs=81))
+    (r,) = core.add_request([1, 2], SamplingParams(max_new_tokens=2, temperature=0, top_logprobs=80))
+    drain(core)
+    assert [len(row) for row in r.top_logprobs] == [80, 80]
+    # so would a seed past 64 bits (the n samples take seed, seed + 1, ...)
+    with pytest.raises(DataError, match="seed must be a 64-bit integer"):
+        core.add_request([1, 2], SamplingParams(seed=1 << 70))
+    with pytest.raises(DataError, match=r"with n=2: at most 2\*\*63 - 2"):
+        core.add_request([1, 2], SamplingParams(seed=(1 << 63) - 1), n=2)
+    assert not core.requests
+    group = core.add_request([1, 2], SamplingParams(max_new_tokens=2, seed=(1 << 63) - 2), n=2) + core.add_request([3], SamplingParams(max_new_tokens=2, seed=-(1 << 63)))
+    drain(core)
+    assert all(len(r.output_ids) == 2 for r in group)
 
 
 def test_a_response_ends_at_max_model_len():
@@ -290,3 +460,21 @@ def test_decode_window_is_no_longer_than_the_rows_need():
     # after the prefill's token: a needs 3 more, b 11: one window of 8 (a ends inside it), then b's last 3
     assert [p.steps for p in plans] == [8, 3]
     assert len(a.output_ids) == 4 and len(b.output_ids) == 12
+
+
+def test_a_decode_window_takes_no_pages_past_a_request_s_final_length():
+    core = engine(decode_steps=8)
+    held = []
+    decode = core.scheduler._decode
+
+    def spy(reqs):
+        plan = decode(reqs)
+        held.append([len(r.block_ids) for r in (a, b)])
+        return plan
+
+    core.scheduler._decode = spy
+    a = core.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0))[0]
+    b = core.add_request([4, 5], SamplingParams(max_new_tokens=12, temperature=0))[0]
+    drain(core)
+    # the first window runs 8 steps for b; a ends at 7 tokens and only ever needs the K/V of 6: 2 pages, not 3
+    assert held[0] == [2, 3]

@@ -127,3 +127,15 @@ def test_moe_group_samples_carry_their_prompts_routing(tmp_path):
         assert g.output_ids == alone.output_ids
         routed = torch.cat(g.routed_experts)
         assert routed.shape == (len(PROMPTS[0]) + 5, 2, 2) and torch.equal(routed, torch.cat(alone.routed_experts))
+
+
+def test_moe_requests_outside_a_group_do_not_reuse_cached_prefixes(tmp_path):
+    """Routing is recorded for the tokens a request feeds: a prompt found in the prefix cache would have none for its
+    cached tokens, so a MoE engine reuses prefixes only inside a group (whose leader's routing is copied)."""
+    make_hf_model("qwen3_moe", tmp_path)
+    core = EngineCore(load_miles(tmp_path), EngineConfig(block_size=4, decode_steps=2))
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    (first,) = run_all(core, PROMPTS[:1], greedy)
+    (again,) = run_all(core, PROMPTS[:1], greedy)
+    assert again.num_cached == 0 and again.output_ids == first.output_ids
+    assert torch.equal(torch.cat(again.routed_experts), torch.cat(first.routed_experts))

@@ -33,6 +33,15 @@ def test_draws_follow_softmax_with_temperature():
     assert torch.allclose(lp, torch.log(p)[tok], atol=1e-6)  # logprob under softmax(z / T), before filters
 
 
+def test_a_small_positive_temperature_samples_rather_than_decoding_greedily():
+    """T = 0.0005: the draw is the argmax all but surely, but its logprob is under softmax(z / T) (about 0), as the
+    trainer recomputes it, not under softmax(z) as for T = 0."""
+    tok, lp, _ = draw(SamplingParams(temperature=0.0005), n=8)
+    assert tok.tolist() == [0] * 8 and lp.abs().max() < 1e-6
+    tok, lp, _ = draw(SamplingParams(temperature=0), n=8)
+    assert tok.tolist() == [0] * 8 and torch.allclose(lp, torch.log_softmax(LOGITS, -1)[0].expand(8))
+
+
 def test_top_k_top_p_min_p_restrict_the_support():
     tok, _, _ = draw(SamplingParams(temperature=1.0, top_k=2))
     assert set(tok.tolist()) == {0, 1}
@@ -43,6 +52,30 @@ def test_top_k_top_p_min_p_restrict_the_support():
     assert torch.all((freq(tok)[:3] - kept).abs() < 0.03)
     tok, _, _ = draw(SamplingParams(temperature=1.0, min_p=0.3))  # p >= 0.3 * 0.61 = 0.18: tokens 0, 1
     assert set(tok.tolist()) == {0, 1}
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_it():
+    """The cut at the boundary: a set whose mass equals top_p exactly is enough (probabilities 1/2, 1/4, 1/8, 1/8 are exact
+    in float32, so the boundary is hit exactly)."""
+    logits = torch.tensor([2.0, 1.0, 0.0, 0.0]) * math.log(2)
+    assert torch.softmax(logits, -1).tolist() == [0.5, 0.25, 0.125, 0.125]
+    for top_p, support in ((0.5, {0}), (0.75, {0, 1}), (0.76, {0, 1, 2, 3})):  # 2 and 3 are tied: both or neither
+        st = SamplingTensors.build([SamplingParams(temperature=1.0, top_p=top_p)] * 2000, list(range(2000)), "cpu")
+        tok, _, _ = sample(logits.expand(2000, -1).clone(), st, torch.zeros(2000, dtype=torch.long))
+        assert set(tok.tolist()) == support, top_p
+
+
+def test_filters_combine_min_p_does_not_widen_top_k_or_top_p():
+    """top-k, top-p and min-p together keep the intersection: min-p only ever removes more."""
+    tok, _, _ = draw(SamplingParams(temperature=1.0, top_k=1, min_p=0.01))
+    assert set(tok.tolist()) == {0}
+    tok, _, _ = draw(SamplingParams(temperature=1.0, top_p=0.5, min_p=0.05))  # top_p alone: {0}; min_p alone: 0..4
+    assert set(tok.tolist()) == {0}
+    tok, _, _ = draw(SamplingParams(temperature=1.0, top_k=4, min_p=0.3))  # min_p alone: {0, 1}
+    assert set(tok.tolist()) == {0, 1}
+    # top-p applies to the top-k survivors renormalised (HF's order): with top_k 2, token 0 has 0.61 / 0.83 = 0.73 >= 0.7
+    tok, _, _ = draw(SamplingParams(temperature=1.0, top_k=2, top_p=0.7))
+    assert set(tok.tolist()) == {0}
 
 
 def test_greedy_rows_and_sampled_rows_in_one_batch_and_seeds():
@@ -66,6 +99,14 @@ def test_top_logprobs():
     ref = torch.log_softmax(LOGITS, -1)
     assert top.indices[0].tolist() == [0, 1, 2]
     assert torch.allclose(top.values[0], ref[:3]) and math.isclose(lp.item(), ref[0].item(), rel_tol=1e-6)
+
+
+def test_top_logprobs_in_a_batch_cover_the_row_asking_the_most():
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, top_logprobs=3), SamplingParams(temperature=1.0, top_logprobs=1)]
+    st = SamplingTensors.build(params, [0, 1, 2], "cpu")
+    _, _, top = sample(LOGITS.expand(3, -1).clone(), st, torch.zeros(3, dtype=torch.long))
+    assert top.indices.tolist() == [[0, 1, 2]] * 3
+    assert torch.allclose(top.values[1], torch.log_softmax(LOGITS, -1)[:3])
 
 
 def test_triton_paged_decode_matches_torch_in_interpreter():

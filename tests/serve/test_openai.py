@@ -52,6 +52,19 @@ def test_completions_seed_n_and_stop(client):
     assert out["choices"][0]["text"] == full[: full.find(stop)] and out["choices"][0]["finish_reason"] == "stop"
 
 
+def test_completions_top_p_max_completion_tokens_and_logprobs_zero(client):
+    greedy = generate(client, "2+", max_new_tokens=6, temperature=0)
+    # top_p tiny keeps only the top token: a seeded draw at temperature 1 is the greedy answer
+    body = {"prompt": "2+", "max_tokens": 6, "temperature": 1.0, "seed": 3, "top_p": 1e-6}
+    assert client.post("/v1/completions", body)[1]["choices"][0]["text"] == greedy["text"]
+    assert client.post("/v1/completions", {**body, "top_p": 1.0})[1]["choices"][0]["text"] != greedy["text"]
+    out = client.post("/v1/completions", {"prompt": "2+", "max_completion_tokens": 3, "max_tokens": 6, "temperature": 0, "logprobs": 0})[1]
+    assert out["usage"]["completion_tokens"] == 3  # max_completion_tokens wins over the older max_tokens
+    lps = out["choices"][0]["logprobs"]  # logprobs=0: the sampled tokens' logprobs, no alternatives
+    assert lps["token_logprobs"] == pytest.approx([lp for lp, _, _ in greedy["meta_info"]["output_token_logprobs"][:3]], abs=1e-5)
+    assert lps["top_logprobs"] is None
+
+
 def test_chat_answers_the_rendered_prompt(client, server):
     messages = [{"role": "system", "content": "add"}, {"role": "user", "content": "2+2"}]
     status, out = client.post("/v1/chat/completions", {"messages": messages, "max_tokens": 5, "temperature": 0,
@@ -103,6 +116,9 @@ def test_bad_requests_name_the_field(client):
         ("/v1/completions", {"prompt": "a", "logprobs": 21}, "'logprobs'"),
         ("/v1/completions", {"prompt": "a", "temperature": -1}, "temperature"),
         ("/v1/completions", {"prompt": "a", "n": 0}, "n"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1000}, "'top_logprobs'"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": -1}, "'top_logprobs'"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": "3"}, "'top_logprobs'"),
     ]:
         status, out = client.post(path, body)
         assert status == 400 and reason in out["error"]["message"], (path, body, out)

@@ -133,6 +133,21 @@ def test_malformed_and_oversized_requests(client, server):
         (b'{"text": "a", "sampling_params": {"max_new_tokens": "5"}}', "max_new_tokens"),
         (b'{"text": "a", "sampling_params": {"colour": 1}}', "unsupported sampling_params: colour"),
         (b'[1, 2]', "JSON object"),
+        (b'{"text": [], "sampling_params": {}}', "'text' must be a string or a non-empty list"),
+        (b'{"input_ids": [[1, 2], []]}', "'input_ids' must be a non-empty list"),
+        (b'{"input_ids": [[1], [2]], "rid": ["a"]}', "rid has 1 entries for 2 prompts"),
+        (b'{"input_ids": [[1], [2]], "stream": true}', "streaming is supported for a single prompt"),
+        (b'{"text": "a", "top_logprobs_num": 101, "return_logprob": true}', "top_logprobs_num"),
+        (b'{"text": "a", "sampling_params": {"max_new_tokens": 0}}', "max_new_tokens=0 is out of range"),
+        (b'{"text": "a", "sampling_params": {"max_new_tokens": true}}', "max_new_tokens must be an integer"),
+        (b'{"text": "a", "sampling_params": {"temperature": true}}', "temperature must be a number"),
+        (b'{"text": "a", "sampling_params": {"min_p": 1.5}}', "min_p=1.5 is out of range"),
+        (b'{"text": "a", "sampling_params": {"top_k": -2}}', "top_k=-2 is out of range"),
+        (b'{"text": "a", "sampling_params": {"n": 1025}}', "n=1025 is out of range"),
+        (b'{"text": "a", "sampling_params": {"frequency_penalty": 0.5}}', "frequency_penalty is not supported"),
+        (b'{"text": "a", "sampling_params": {"stop": ["x", ""]}}', "stop must be a string or a list of non-empty strings"),
+        (b'{"text": "a", "sampling_params": {"stop_token_ids": [true]}}', "stop_token_ids must be a list of integers"),
+        (b'{"text": "a", "sampling_params": {"sampling_seed": "7"}}', "sampling_seed must be an integer"),
     ]
     for raw, reason in bad:
         status, body = client.post("/generate", raw=raw)
@@ -140,6 +155,12 @@ def test_malformed_and_oversized_requests(client, server):
         assert reason in body["error"]["message"], (raw, body)
     status, body = client.post("/generate", raw=b'{"text": "' + b"a" * (1 << 17) + b'"}')
     assert status == 413 and "exceeds the limit" in body["error"]["message"]
+    small = b'{"text": "1+1=", "sampling_params": {"max_new_tokens": 1}}'
+    at_limit = small + b" " * (server.max_request_bytes - len(small))  # JSON allows trailing whitespace
+    assert client.post("/generate", raw=at_limit)[0] == 200
+    status, body = client.post("/generate", raw=at_limit + b" ")
+    assert status == 413 and f"{server.max_request_bytes + 1} bytes exceeds" in body["error"]["message"]
+    assert client.post("/abort_request", {"rid": 5})[0] == 400
     # nested deeper than the JSON parser's recursion limit, yet within the size bound
     status, body = client.post("/generate", raw=b"[" * 60000)
     assert status == 400 and "nested too deeply" in body["error"]["message"]
@@ -186,6 +207,8 @@ def test_abort_in_mid_generation(client, server):
         if req is not None and len(req.output_ids) > 3:
             break
         time.sleep(0.01)
+    status, body = client.post("/abort_request", {"rid": "lon"})  # a rid aborts itself and its samples (rid-i), no other
+    assert status == 200 and not body["success"] and server.engine.core.requests["long"].finish_reason is None
     status, body = client.post("/abort_request", {"rid": "long"})
     assert status == 200 and body["success"]
     t.join(30)
@@ -227,6 +250,47 @@ def test_pause_in_abort_mode_ends_running_requests(client, server):
     assert client.post("/pause_generation", {"mode": "sideways"})[0] == 400
 
 
+def test_pause_in_retract_mode_keeps_running_requests(client, server):
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("out", client.post(
+        "/generate", {"text": "3", "rid": "kept", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}})))
+    t.start()
+    deadline = time.time() + 30
+    while time.time() < deadline and len(getattr(server.engine.core.requests.get("kept"), "output_ids", ())) <= 3:
+        time.sleep(0.01)
+    req = server.engine.core.requests["kept"]
+    try:
+        assert client.post("/pause_generation", {"mode": "retract"})[0] == 200
+        assert req.finish_reason is None  # not aborted (the abort mode ends requests before it answers)
+        time.sleep(0.3)  # a decode window in flight may still land
+        held = len(req.output_ids)
+        time.sleep(0.2)
+        assert req.finish_reason is None and len(req.output_ids) == held  # held
+    finally:
+        assert client.post("/continue_generation", {})[0] == 200
+    while time.time() < deadline and len(req.output_ids) <= held:  # it goes on
+        time.sleep(0.01)
+    assert len(req.output_ids) > held and req.finish_reason is None
+    assert client.post("/abort_request", {"rid": "kept"})[1]["success"]
+    t.join(30)
+    assert result["out"][0] == 200 and result["out"][1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_generate_fields_map_onto_the_engine_s_sampling_params():
+    from miles_core.serve.protocol import parse_generate
+
+    body = {"input_ids": [1, 2], "top_logprobs_num": 2,
+            "sampling_params": {"n": 3, "ignore_eos": True, "sampling_seed": 5, "seed": 9, "top_k": -1, "min_p": 0.1, "stop_token_ids": [4]}}
+    (it,), batch, stream = parse_generate(body, None)
+    assert batch and not stream and it.n == 3  # n > 1: the answer is a list, as for a batch
+    p = it.params
+    assert p.ignore_eos and p.seed == 5 and p.top_k == 0 and p.min_p == 0.1 and p.stop_token_ids == [4]
+    assert p.top_logprobs == 0 and not it.return_logprob  # top logprobs only come with return_logprob
+    body = {"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 2, "sampling_params": {"seed": 9, "top_k": 5}}
+    (it,), batch, _ = parse_generate(body, None)
+    assert not batch and it.params.top_logprobs == 2 and it.params.seed == 9 and it.params.top_k == 5
+
+
 def test_weight_updates_memory_and_cache(client, server, model_dir, tmp_path):
     from miles_core.models.checkpoint import save_hf_folder
     from miles_core.plugins.manager import MilesPlugins
@@ -248,6 +312,7 @@ def test_weight_updates_memory_and_cache(client, server, model_dir, tmp_path):
     assert status == 200 and res["weight_version"] == "4"
     assert client.post("/generate", body)[1]["output_ids"] == before
     assert client.post("/update_weights_from_tensor", {"named_tensors": [{"name": "x"}]})[0] == 400
+    assert client.post("/update_weights_from_tensor", {"named_tensors": [], "weight_version": 9})[0] == 400
     status, res = client.post("/update_weights_from_disk", {"model_path": str(tmp_path)})
     assert status == 400 and "has no *.safetensors file" in res["error"]["message"]
     (tmp_path / "model.safetensors").write_bytes((model_dir / "model.safetensors").read_bytes()[:100])  # cut short

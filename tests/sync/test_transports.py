@@ -44,7 +44,7 @@ def check_push(backend, transport, seed, tok, old):
     t0 = time.perf_counter()
     transport.push(new.state_dict(), version, backend)
     dt = time.perf_counter() - t0
-    assert backend.engine_versions() == [version]
+    assert backend.engine_versions() == [version] and backend.weight_version == version  # what a restarted engine loads
     got = greedy_ids(backend)
     assert got == reference(new, tok)
     assert got != old  # the new weights changed the answers, so the equality above means something
@@ -87,6 +87,35 @@ def test_distributed_gloo_over_loopback(served):
     group = transport._name
     check_push(backend, transport, 14, tok, got)  # the second push reuses the group
     assert transport._name == group
+
+
+def test_buckets_fill_up_to_the_byte_bound_in_order():
+    from miles_core.sync.buckets import buckets
+
+    f32 = lambda n: torch.zeros(n)  # noqa: E731  4 bytes an element
+    w = {"a": f32(2), "b": f32(2), "c": f32(5), "d": f32(1), "e": f32(1), "f": f32(1), "g": f32(1), "h": f32(1),
+         "i": torch.zeros(8, dtype=torch.bfloat16)}
+    got = [[name for name, _ in b] for b in buckets(w, 16)]
+    # a + b fill 16 bytes exactly; c (20 bytes) is larger than a bucket: alone; i (16 bytes of bf16) closes the last
+    assert got == [["a", "b"], ["c"], ["d", "e", "f", "g"], ["h"], ["i"]]
+    flat = [t for b in buckets(w, 16) for _, t in b]
+    assert len(flat) == len(w) and all(x is y for x, y in zip(flat, w.values()))
+    assert buckets({}, 16) == []
+
+
+def test_tensor_encoding_round_trips_views_and_bf16_and_caps_the_bucket():
+    import base64
+
+    from miles_core.sync.tensor import TensorTransport, encode
+
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    for t in (base.T, base[:, 1:3], base.to(torch.bfloat16).T):  # views that are not contiguous
+        e = encode("w", t)
+        raw = bytearray(base64.b64decode(e["data"]))
+        back = torch.frombuffer(raw, dtype=getattr(torch, e["dtype"])).reshape(e["shape"])
+        assert e["shape"] == list(t.shape) and torch.equal(back, t)
+    # base64 makes a bucket 4/3 larger: 32 MB of raw bytes stay under miles serve's default 64 MB request bound
+    assert TensorTransport(1 << 30).bucket_bytes == 32 << 20 and TensorTransport(4096).bucket_bytes == 4096
 
 
 def test_distributed_rejects_builtin_engine():

@@ -198,6 +198,10 @@ class EngineCore:
             raise DataError(f"input_ids must be in [0, {vocab}); got {min(prompt_ids)}..{max(prompt_ids)}")
         if params.max_new_tokens < 1:
             raise DataError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        if not 0 <= params.top_logprobs <= vocab:  # more would fail the whole step's top-k, every request in it
+            raise DataError(f"top_logprobs must be in [0, {vocab}], got {params.top_logprobs}")
+        if params.seed is not None and not -(1 << 63) <= params.seed <= (1 << 63) - n:  # the n samples' seeds are int64
+            raise DataError(f"seed must be a 64-bit integer (with n={n}: at most 2**63 - {n}), got {params.seed}")
         base = request_id if request_id is not None else f"req-{next(self._ids)}"
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         out: list[Request] = []
