@@ -83,6 +83,9 @@ def test_gradient_accumulation_is_exact(agg):
     (m1, g1), (m2, g2) = results
     assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-5, abs=1e-7)
     assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)
+    assert m1.keys() == m2.keys()
+    for k in m1:  # the loss's metrics are token-weighted over the micro-batches
+        assert m1[k] == pytest.approx(m2[k], rel=1e-4, abs=1e-6), k
     for k in g1:
         assert torch.allclose(g1[k], g2[k], rtol=1e-4, atol=1e-7), k
 
@@ -125,3 +128,63 @@ def test_lr_schedule_hand_worked():
     trainer = make_trainer(tiny_decoder(), "train.lr=1.0", "train.lr_warmup_steps=2")
     batch = random_batch(2)
     assert [trainer.train_step(batch, policy_loss(trainer))["lr"] for _ in range(3)] == [0.5, 1.0, 1.0]
+
+
+def test_cosine_without_decay_steps_spans_the_rest_of_the_run():
+    # lr_decay_steps=0: the cosine runs over total_steps - warm-up, and total_steps counts every update
+    cfg = load_config(None, ["train.lr=1.0", "train.lr_warmup_steps=2", "train.lr_decay=cosine", "train.min_lr=0.1"]).train
+    assert [lr_at(s, cfg, total_steps=6) for s in range(2, 7)] == pytest.approx(
+        [1.0, 0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2, 0.55, 0.1 + 0.9 * (1 + math.cos(3 * math.pi / 4)) / 2, 0.1])
+    trainer = make_trainer(tiny_decoder(), "train.lr=1.0", "train.lr_decay=cosine", "run.num_rollout=2", "train.updates_per_rollout=2")
+    batch = random_batch(2)
+    got = [trainer.train_step(batch, policy_loss(trainer))["lr"] for _ in range(4)]
+    assert got == pytest.approx([1.0, (1 + math.cos(math.pi / 4)) / 2, 0.5, (1 + math.cos(3 * math.pi / 4)) / 2])
+
+
+def test_grad_clip_scales_the_gradient_to_the_max_norm():
+    batch = random_batch(4)
+    batch.advantages = batch.advantages * 100  # a grad norm well above 1
+    for clip in (1e-3, 0.0):
+        trainer = make_trainer(tiny_decoder(), f"train.grad_clip={clip}")
+        m = trainer.train_step(batch, policy_loss(trainer))
+        after = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in trainer.model.parameters() if p.grad is not None]))
+        assert m["grad_norm"] > 2.0  # the norm before clipping is reported
+        assert after.item() == pytest.approx(clip if clip > 0 else m["grad_norm"], rel=1e-4)
+
+
+def test_micro_batch_size_caps_the_samples_per_forward():
+    batch = random_batch(6)
+    for mbs, calls_want in ((2, 3), (4, 2), (64, 1)):
+        trainer = make_trainer(tiny_decoder(), "train.max_tokens_per_micro_batch=1000", f"train.micro_batch_size={mbs}")
+        calls = []
+        hook = trainer.model.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape[1]))
+        trainer.compute_logprobs(batch)
+        hook.remove()
+        assert len(calls) == calls_want, mbs
+
+
+def test_rollout_temperature_scales_the_logits():
+    batch = random_batch(4)
+    model = tiny_decoder()
+    t2 = make_trainer(model, "rollout.temperature=2.0")
+    lp_t2 = t2.compute_logprobs(batch)
+    assert torch.allclose(lp_t2, t2.compute_logprobs(batch, temperature=2.0))
+    assert not torch.allclose(lp_t2, t2.compute_logprobs(batch, temperature=1.0), atol=1e-3)
+    t0 = make_trainer(model, "rollout.temperature=0")  # greedy sampling: the policy is scored at temperature 1
+    assert torch.allclose(t0.compute_logprobs(batch), t2.compute_logprobs(batch, temperature=1.0))
+
+
+def test_entropy_metric_is_the_token_mean_over_micro_batches():
+    batch = random_batch(6)
+    for budget in (1000, 9):
+        trainer = make_trainer(tiny_decoder(), f"train.max_tokens_per_micro_batch={budget}")
+        want, n = 0.0, 0
+        with torch.no_grad():
+            for i in range(batch.num_samples):
+                p, r = int(batch.prompt_lens[i]), int(batch.response_lens[i])
+                logits = trainer.model.lm_head(trainer.model(batch.input_ids[i : i + 1, : p + r]))[0].float()[p - 1 : p + r - 1]
+                logp = torch.log_softmax(logits, -1)
+                want += float(-(logp.exp() * logp).sum(-1).mul(batch.response_mask[i, :r]).sum())
+                n += int(batch.response_mask[i, :r].sum())
+        m = trainer.train_step(batch, policy_loss(trainer))
+        assert m["entropy"] == pytest.approx(want / n, rel=1e-5), budget
