@@ -1,0 +1,50 @@
+"""JSONL prompts: what a line may hold, what is refused with its line number, the exact-match verifier."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from miles_core.data.jsonl import JsonlTask, read_prompts
+from miles_core.errors import DataError
+
+
+def _write(tmp_path, lines, name="d.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+
+def test_prompts_labels_and_metadata(tmp_path):
+    path = _write(tmp_path, [json.dumps({"q": "1+1?", "a": 2, "src": "x"}), "", "   ", json.dumps({"q": "hi"})])
+    prompts = read_prompts(path, "q", "a")
+    assert [(p.text, p.label, p.metadata) for p in prompts] == [("1+1?", 2, {"src": "x"}), ("hi", None, {})]
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"q": 3}', "d.jsonl:2: 'q' must be a string"),
+    ("[1, 2]", "d.jsonl:2: expected a JSON object, got list"),
+    ('{"x": "y"}', "d.jsonl:2: missing key 'q'"),
+    ("{not json", "d.jsonl:2: not valid JSON"),
+])
+def test_a_bad_line_is_named(tmp_path, line, message):
+    path = _write(tmp_path, [json.dumps({"q": "ok"}), line])
+    with pytest.raises(DataError, match=message):
+        read_prompts(path, "q", "a")
+
+
+def test_an_empty_file_is_refused(tmp_path):
+    with pytest.raises(DataError, match="has no prompts"):
+        read_prompts(_write(tmp_path, ["", "  "]), "q", "a")
+
+
+def test_score_is_an_exact_match_up_to_surrounding_whitespace(tmp_path):
+    task = JsonlTask(_write(tmp_path, [json.dumps({"q": "x", "a": 42})]), None, "q", "a")
+    assert task.score(" 42\n", 42) == 1.0
+    assert task.score("42", " 42 ") == 1.0
+    assert task.score("4 2", 42) == 0.0
+    assert task.score("None", None) == 0.0  # no label: nothing matches
+    assert task.eval_prompts() == []
+    assert next(task.train_prompts(random.Random(0))).text == "x"
