@@ -69,3 +69,16 @@ def test_what_a_family_does_not_implement_is_named(extra, reason):
     if "rope" in next(iter(extra)):  # the Megatron trainer builds plain RoPE only
         with pytest.raises(ConfigError, match="plain RoPE"):
             arch_from_hf({**hf, **extra})
+
+
+def test_rope_frequencies_hand_worked():
+    from miles_core.models.rope import inv_freq, scaling_from_hf, theta_from_hf
+
+    plain = 1.0 / (100.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    assert torch.allclose(inv_freq(8, 100.0), plain)
+    assert torch.allclose(inv_freq(8, 100.0, {"rope_type": "linear", "factor": 4.0}), plain / 4)
+    # transformers 5 keeps the base inside rope_parameters
+    assert theta_from_hf({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}) == 5e5
+    assert theta_from_hf({"rope_theta": 1e6}) == 1e6 and theta_from_hf({}) == 10000.0
+    assert scaling_from_hf({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}) is None
+    assert scaling_from_hf({"rope_scaling": {"type": "linear", "factor": 2.0}}) == {"rope_type": "linear", "factor": 2.0}

@@ -188,3 +188,20 @@ def test_entropy_metric_is_the_token_mean_over_micro_batches():
                 n += int(batch.response_mask[i, :r].sum())
         m = trainer.train_step(batch, policy_loss(trainer))
         assert m["entropy"] == pytest.approx(want / n, rel=1e-5), budget
+
+
+def test_trainer_checkpoint_round_trip_and_reference_mismatch(tmp_path):
+    from miles_core.errors import ConfigError
+
+    batch = random_batch(4)
+    src = make_trainer(tiny_decoder(), "algorithm.kl_coef=0.05", "train.lr_warmup_steps=3")
+    src.train_step(batch, policy_loss(src))
+    src.save(tmp_path / "ck")
+    dst = make_trainer(tiny_decoder(seed=5), "algorithm.kl_coef=0.05", "train.lr_warmup_steps=3")
+    dst.load(tmp_path / "ck")
+    assert dst.step == 1
+    for (k, a), b in zip(src.model.state_dict().items(), dst.model.state_dict().values()):
+        assert torch.equal(a, b), k
+    no_ref = make_trainer(tiny_decoder(), "train.lr_warmup_steps=3")
+    with pytest.raises(ConfigError, match="with a reference model"):
+        no_ref.load(tmp_path / "ck")
