@@ -75,6 +75,32 @@ def test_bad_value_names_the_key():
         load_config(None, ["sync.dist_backend=mpi"])
 
 
+@pytest.mark.parametrize("override, message", [
+    ("train.lr=0", "train.lr must be > 0, got 0"),
+    ("train.micro_batch_size=0", "train.micro_batch_size must be >= 1, got 0"),
+    ("train.max_tokens_per_micro_batch=0", "train.max_tokens_per_micro_batch must be >= 1, got 0"),
+    ("train.lr_decay=linear", "train.lr_decay must be constant or cosine, got 'linear'"),
+    ("train.lr_decay_steps=-1", "train.lr_warmup_steps and train.lr_decay_steps must be >= 0"),
+    ("train.lr_warmup_steps=-1", "train.lr_warmup_steps and train.lr_decay_steps must be >= 0"),
+    ("train.updates_per_rollout=0", "train.updates_per_rollout must be >= 1, got 0"),
+    ("train.logprob_chunk_size=0", "train.logprob_chunk_size must be >= 1, got 0"),
+    ("train.attention=flex", "train.attention must be auto, sdpa, padded, varlen or cudnn, got 'flex'"),
+    ("train.old_logprobs=never", "train.old_logprobs must be auto or recompute, got 'never'"),
+    ("train.sft_warmup_steps=-1", "train.sft_warmup_steps must be >= 0, got -1"),
+])
+def test_bad_train_value_names_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_a_bool_is_not_a_number():
+    with pytest.raises(ConfigError, match="'rollout.batch_size' must be an integer, got True"):
+        load_config(None, ["rollout.batch_size=true"])
+    with pytest.raises(ConfigError, match="'train.lr' must be a number, got False"):
+        load_config(None, ["train.lr=false"])
+    assert load_config(None, ["train.lr=1"]).train.lr == 1.0  # an integer is a number
+
+
 def test_invalid_yaml_names_the_line(tmp_path):
     recipe = tmp_path / "broken.yaml"
     recipe.write_text("run:\n  name: x\n   bad: [\n")
