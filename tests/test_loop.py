@@ -211,3 +211,20 @@ def test_several_updates_per_rollout_are_off_policy_after_the_first(tmp_path, mo
         assert first[0] + second[0] == per_step and first[0] == second[0]
         assert abs(first[1]) < 1e-6  # the rollout policy itself
         assert second[1] > 1e-6  # one update later
+
+
+def test_metrics_log_writes_strict_json_and_appends(tmp_path):
+    from miles_core.observe.metrics import MetricsLog
+
+    path = tmp_path / "sub" / "metrics.jsonl"
+    log = MetricsLog(path)
+    log.write({"step": 1, "loss": float("nan"), "kl": float("inf"), "reward": 0.5})
+    log.close()
+    # non-finite floats become null: the file stays strict JSON (json.loads would accept NaN, other readers do not)
+    assert path.read_text().splitlines()[0] == '{"step": 1, "loss": null, "kl": null, "reward": 0.5}'
+    with path.open("a") as fh:
+        fh.write("\n")  # a blank line (e.g. a run killed mid-write and resumed) is skipped
+    log = MetricsLog(path)  # a resumed run appends
+    log.write({"step": 2})
+    log.close()
+    assert read_metrics(path) == [{"step": 1, "loss": None, "kl": None, "reward": 0.5}, {"step": 2}]
