@@ -228,3 +228,24 @@ def test_metrics_log_writes_strict_json_and_appends(tmp_path):
     log.write({"step": 2})
     log.close()
     assert read_metrics(path) == [{"step": 1, "loss": None, "kl": None, "reward": 0.5}, {"step": 2}]
+
+
+def test_reward_errors_of_the_user_pass_through_and_bad_reward_fns_are_refused():
+    import pytest
+
+    from miles_core.errors import ConfigError
+    from miles_core.rewards.custom import check_reward_fn
+    from miles_core.rewards.runner import score_samples
+    from miles_core.types import Sample
+
+    def strict(sample):
+        raise ConfigError("set reward.threshold")
+
+    with pytest.raises(ConfigError, match="^set reward.threshold$"):  # not wrapped as "raised ConfigError"
+        score_samples(strict, "strict", [Sample("p", [1], [2], "x", [0.0])], 1.0)
+    with pytest.raises(ConfigError, match="reward 'x:y' is not callable"):
+        check_reward_fn(3, "x:y")
+    with pytest.raises(ConfigError, match=r"reward 'x:two' must accept one argument, the sample; its signature is \(a, b\)"):
+        check_reward_fn(lambda a, b: 0.0, "x:two")
+    ok = lambda sample, scale=1.0: scale  # noqa: E731
+    assert check_reward_fn(ok, "x:ok") is ok
