@@ -76,3 +76,26 @@ def test_a_truncated_safetensors_file_is_named(tmp_path):
     f.write_bytes(f.read_bytes()[:100])
     with pytest.raises(ConfigError, match=f"'{f}' is not a readable safetensors file"):
         load_hf_folder(tmp_path / "ckpt", regs.model_families)
+
+
+def test_a_folder_that_does_not_match_its_config_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from miles_core.errors import ConfigError
+
+    regs = MilesPlugins(autoload=False).registries
+    fam = regs.model_families.get("llama")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_hf_folder(tmp_path / "nowhere", regs.model_families)
+    model = Decoder(DecoderConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                                  intermediate_size=64, tie_word_embeddings=False))
+    save_hf_folder(model, fam, tmp_path / "ckpt", extra_files={"tokenizer.json": "{}"})
+    assert (tmp_path / "ckpt" / "tokenizer.json").read_text() == "{}"
+    f = tmp_path / "ckpt" / "model.safetensors"
+    state = load_file(str(f))
+    save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, str(f))  # untied: the head is needed
+    with pytest.raises(ConfigError, match=r"does not match its config: missing \['lm_head.weight'\], unexpected \[\]"):
+        load_hf_folder(tmp_path / "ckpt", regs.model_families)
+    save_file({**state, "model.extra.weight": torch.zeros(2)}, str(f))
+    with pytest.raises(ConfigError, match=r"missing \[\], unexpected \['model.extra.weight'\]"):
+        load_hf_folder(tmp_path / "ckpt", regs.model_families)
