@@ -202,3 +202,27 @@ def test_group_baselines_refuse_one_sample_per_prompt(tmp_path, estimator):
     with pytest.raises(ConfigError, match=r"algorithm\.dynamic_sampling .* rollout\.n_samples_per_prompt >= 2, got 1"):
         check_algorithm(load_config(None, ["algorithm.advantage_estimator=ppo", "algorithm.dynamic_sampling=true",
                                            "rollout.n_samples_per_prompt=1"]))
+
+
+def test_critic_reads_the_state_before_each_token_and_micro_batches_exactly():
+    batch = _critic_batch()
+    batch.returns = torch.tensor([[0.2, 0.5, 1.0], [-1.0, -0.5, 0.0]]) * batch.response_mask
+    results = []
+    for mbs in (64, 1):
+        cfg = load_config(None, ["train.lr=0.01", "algorithm.critic_lr=0.003", "algorithm.value_clip=0.1", f"train.micro_batch_size={mbs}"])
+        torch.manual_seed(0)
+        critic = Critic(Decoder(DecoderConfig(vocab_size=12, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)), cfg, torch.device("cpu"))
+        assert critic.optimizer.param_groups[0]["lr"] == 0.003
+        torch.nn.init.normal_(critic.head.weight)
+        v = critic.compute_values(batch)
+        with torch.no_grad():  # V(s_t): the hidden state at prompt_len - 1 + t, the one that predicts token t
+            for i in range(batch.num_samples):
+                p, r = int(batch.prompt_lens[i]), int(batch.response_lens[i])
+                h = critic.body(batch.input_ids[i : i + 1, : p + r])[0]
+                assert torch.allclose(v[i, :r], critic.head(h[p - 1 : p + r - 1]).squeeze(-1) * batch.response_mask[i, :r], atol=1e-6)
+        batch.values = v + 0.3 * batch.response_mask
+        m = critic.train_step(batch)
+        results.append((m, [p.grad.clone() for p in critic.head.parameters()]))
+    (m1, g1), (m2, g2) = results
+    assert m1["value_loss"] == pytest.approx(m2["value_loss"], rel=1e-5)  # the mean over all tokens, not per micro-batch
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(g1, g2))
