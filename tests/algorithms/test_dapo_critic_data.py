@@ -156,6 +156,12 @@ def test_sft_jsonl_with_loss_mask_segments(tmp_path):
     f.write_text(json.dumps({"prompt": "x", "response": [{"text": "y", "train": "no"}]}))
     with pytest.raises(DataError, match=r"'response'\[0\].train must be true or false"):
         read_sft_examples(str(f), "prompt", "response", tok)
+    f.write_text(json.dumps({"prompt": "x", "response": []}))
+    with pytest.raises(DataError, match=r"sft.jsonl:1: 'response' must be a string or a non-empty list"):
+        read_sft_examples(str(f), "prompt", "response", tok)
+    f.write_text("\n  \n")
+    with pytest.raises(DataError, match="has no examples"):
+        read_sft_examples(str(f), "prompt", "response", tok)
 
 
 @pytest.mark.parametrize(
