@@ -224,3 +224,16 @@ def test_on_policy_old_logprobs_match_a_separate_pass():
     for k in ("mismatch_kl", "mismatch_k1", "mismatch_abs"):  # token-weighted over the micro-batches
         assert m1[k] == pytest.approx(m2[k], rel=1e-4), k
     assert m1["mismatch_abs"] > 0.1
+
+
+def test_logprobs_are_zero_off_the_loss_mask_and_max_seqlen_is_the_longest_sample():
+    batch = random_batch(6)
+    lens = (batch.prompt_lens + batch.response_lens).tolist()
+    longest = max(range(6), key=lambda i: lens[i])
+    other = min(range(6), key=lambda i: lens[i])
+    assert lens[other] < lens[longest]
+    assert pack(batch, [longest, other]).max_seqlen == lens[longest]
+    batch.response_mask[0, 0] = 0.0  # a token the loss mask leaves out (e.g. a tool's output)
+    trainer = make_trainer(tiny_decoder())
+    lp = trainer.compute_logprobs(batch)
+    assert lp[0, 0] == 0.0 and (lp[batch.response_mask > 0] < 0).all()
