@@ -232,14 +232,20 @@ def test_pause_and_continue(client, server):
     assert result["out"][0] == 200 and result["out"][1]["meta_info"]["completion_tokens"] == 6
 
 
-def test_pause_in_abort_mode_ends_running_requests(client, server):
-    result = {}
+def _long_generation(client, server, text: str, rid: str) -> tuple[threading.Thread, dict]:
+    """A 3000-token /generate on a thread, returned once it has decoded more than 3 tokens; its answer lands in the dict."""
+    result: dict = {}
     t = threading.Thread(target=lambda: result.setdefault("out", client.post(
-        "/generate", {"text": "6", "rid": "cut", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}})))
+        "/generate", {"text": text, "rid": rid, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}})))
     t.start()
     deadline = time.time() + 30
-    while time.time() < deadline and len(getattr(server.engine.core.requests.get("cut"), "output_ids", ())) <= 3:
+    while time.time() < deadline and len(getattr(server.engine.core.requests.get(rid), "output_ids", ())) <= 3:
         time.sleep(0.01)
+    return t, result
+
+
+def test_pause_in_abort_mode_ends_running_requests(client, server):
+    t, result = _long_generation(client, server, "6", "cut")
     assert client.post("/pause_generation", {})[0] == 200  # mode defaults to abort, as SGLang's
     t.join(30)
     status, out = result["out"]
@@ -251,13 +257,7 @@ def test_pause_in_abort_mode_ends_running_requests(client, server):
 
 
 def test_pause_in_retract_mode_keeps_running_requests(client, server):
-    result = {}
-    t = threading.Thread(target=lambda: result.setdefault("out", client.post(
-        "/generate", {"text": "3", "rid": "kept", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}})))
-    t.start()
-    deadline = time.time() + 30
-    while time.time() < deadline and len(getattr(server.engine.core.requests.get("kept"), "output_ids", ())) <= 3:
-        time.sleep(0.01)
+    t, result = _long_generation(client, server, "3", "kept")
     req = server.engine.core.requests["kept"]
     try:
         assert client.post("/pause_generation", {"mode": "retract"})[0] == 200
@@ -268,6 +268,7 @@ def test_pause_in_retract_mode_keeps_running_requests(client, server):
         assert req.finish_reason is None and len(req.output_ids) == held  # held
     finally:
         assert client.post("/continue_generation", {})[0] == 200
+    deadline = time.time() + 30
     while time.time() < deadline and len(req.output_ids) <= held:  # it goes on
         time.sleep(0.01)
     assert len(req.output_ids) > held and req.finish_reason is None
