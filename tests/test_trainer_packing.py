@@ -237,3 +237,31 @@ def test_logprobs_are_zero_off_the_loss_mask_and_max_seqlen_is_the_longest_sampl
     trainer = make_trainer(tiny_decoder())
     lp = trainer.compute_logprobs(batch)
     assert lp[0, 0] == 0.0 and (lp[batch.response_mask > 0] < 0).all()
+
+
+def test_empty_responses_train_on_nothing():
+    from miles_core.train.batch import make_train_batch
+    from miles_core.types import Sample
+
+    batch = make_train_batch([Sample("", [3, 4, 5], [], "", []), Sample("", [6, 7], [], "", [])], pad_id=0)
+    assert batch.response_mask.shape == (2, 1) and batch.response_mask.sum() == 0  # one padded column, masked out
+    trainer = make_trainer(tiny_decoder())
+    lp = trainer.compute_logprobs(batch)
+    assert lp.shape == (2, 1) and torch.equal(lp, torch.zeros(2, 1))
+    batch.old_logprobs = lp
+    m = trainer.train_step(batch, policy_loss(trainer))
+    assert m["loss"] == 0.0 and m["grad_norm"] == 0.0
+    # one empty response among others: a micro-batch of it alone adds nothing (was: backward of a loss with no graph)
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample("", [3, 4, 5], [6, 7], "", [-1.0, -1.0]), Sample("", [6, 7], [], "", []), Sample("", [8], [9, 10, 11], "", [-2.0] * 3)]
+    batch = make_train_batch(samples, pad_id=0)
+    batch.advantages = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
+    results = []
+    for mbs in (1, 3):
+        trainer = make_trainer(tiny_decoder(), f"train.micro_batch_size={mbs}")
+        batch.old_logprobs = trainer.compute_logprobs(batch)
+        m = trainer.train_step(batch, policy_loss(trainer))
+        results.append((m, [p.grad.clone() for p in trainer.model.parameters()]))
+    (m1, g1), (m3, g3) = results
+    assert m1["grad_norm"] > 0.1 and m1["loss"] == pytest.approx(m3["loss"], abs=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g1, g3))

@@ -13,6 +13,14 @@ from miles_core.types import LossInputs, LossOutput, TrainBatch
 LossFn = Callable[[LossInputs], LossOutput]
 
 
+def no_response_tokens(hidden: torch.Tensor, head_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs, entropy) for a micro-batch without one response token (every response empty): two
+    empty tensors still tied to the decoder's output and the LM head, so that its loss's backward
+    runs (under FSDP / tensor parallelism joining the other ranks' collectives) with zero gradients."""
+    empty = ((hidden.sum() + head_weight.sum()) * 0.0).float().reshape(1)[:0]
+    return empty, empty
+
+
 class Trainer(Protocol):
     model: torch.nn.Module
 

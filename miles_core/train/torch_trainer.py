@@ -27,7 +27,7 @@ from miles_core.errors import ConfigError
 from miles_core.kernels.base import Kernels
 from miles_core.precision.base import PrecisionRecipe
 from miles_core.train import checkpoint as ckpt
-from miles_core.train.base import LossFn
+from miles_core.train.base import LossFn, no_response_tokens
 from miles_core.train.distributed import all_reduce_sum, init_from_env
 from miles_core.train.fsdp import checkpoint_blocks, full_tensor, shard
 from miles_core.train.lr import lr_at
@@ -58,6 +58,8 @@ class PolicyForward(nn.Module):
         if self.compute_dtype is not None:
             h = h.to(self.compute_dtype)
         weight = self.decoder.lm_head.weight
+        if h.shape[0] == 0:
+            return no_response_tokens(hidden, weight)
         return self.logprobs_op(h, weight, mb.targets, temperature=temperature, chunk_size=self.chunk_size)
 
 

@@ -232,3 +232,21 @@ def test_critic_reads_the_state_before_each_token_and_micro_batches_exactly():
     (m1, g1), (m2, g2) = results
     assert m1["value_loss"] == pytest.approx(m2["value_loss"], rel=1e-5)  # the mean over all tokens, not per micro-batch
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(g1, g2))
+
+
+@pytest.mark.parametrize("grad_clip", [0.01, 0.0])
+def test_critic_clips_its_gradient_to_train_grad_clip(grad_clip):
+    batch = _critic_batch()
+    batch.returns = torch.tensor([[0.2, 0.5, 1.0], [-1.0, -0.5, 0.0]]) * batch.response_mask
+    batch.values = torch.zeros_like(batch.returns)
+    cfg = load_config(None, ["train.lr=0.01", f"train.grad_clip={grad_clip}"])
+    torch.manual_seed(0)
+    critic = Critic(Decoder(DecoderConfig(vocab_size=12, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)), cfg, torch.device("cpu"))
+    m = critic.train_step(batch)
+    grads = [p.grad for p in list(critic.body.parameters()) + list(critic.head.parameters()) if p.grad is not None]
+    after = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+    assert m["value_grad_norm"] > 0.1  # the norm before clipping, reported as it was
+    if grad_clip:
+        assert after == pytest.approx(grad_clip, rel=1e-4)  # the step took the clipped gradient
+    else:  # 0 disables clipping
+        assert after == pytest.approx(m["value_grad_norm"], rel=1e-5)

@@ -235,3 +235,26 @@ def test_attention_choice_and_compiled_layers_match_eager(megatron_cpu, override
     assert m1["loss"] == pytest.approx(m0["loss"], abs=1e-6)
     for k in g0:
         torch.testing.assert_close(g1[k], g0[k], atol=1e-6, rtol=1e-4, msg=lambda m: f"grad {k}: {m}")
+
+
+def test_a_micro_batch_of_empty_responses_adds_nothing(megatron_cpu):
+    from miles_core.train.batch import make_train_batch
+    from miles_core.train.megatron.trainer import MegatronTrainer
+    from miles_core.types import Sample
+
+    torch.set_num_threads(1)
+    cfg = _config("token_mean")
+    cfg.train.micro_batch_size = 1
+    dec = _decoder(True, True)
+    state = {k: v.clone() for k, v in dec.state_dict().items()}
+    torch_tr = TorchTrainer(dec, cfg, torch.device("cpu"), FP32, KERNELS)
+    mega = MegatronTrainer(arch_from_decoder(dec.config), state, cfg, torch.device("cpu"), FP32, KERNELS)
+    b = make_train_batch([Sample("", [3, 4, 5], [6, 7], "", [0.0] * 2), Sample("", [6, 7], [], "", []),
+                          Sample("", [8], [9, 10, 11], "", [0.0] * 3)], pad_id=0)
+    b.advantages = torch.randn(b.response_mask.shape, generator=torch.Generator().manual_seed(0)) * b.response_mask
+    b.old_logprobs = off_policy(torch_tr.compute_logprobs(b), b)
+    loss_fn = functools.partial(ppo_clip, cfg=cfg.algorithm)
+    m_t, m_m = torch_tr.train_step(b, loss_fn), mega.train_step(b, loss_fn)
+    assert m_t["grad_norm"] > 0.1
+    for key in ("loss", "grad_norm"):
+        assert m_m[key] == pytest.approx(m_t[key], abs=1e-5, rel=1e-5), key

@@ -29,7 +29,7 @@ from miles_core.config.schema import MilesConfig
 from miles_core.errors import ConfigError
 from miles_core.kernels.base import Kernels
 from miles_core.precision.base import PrecisionRecipe
-from miles_core.train.base import LossFn
+from miles_core.train.base import LossFn, no_response_tokens
 from miles_core.train.megatron import convert
 from miles_core.train.megatron.arch import Arch
 from miles_core.train.megatron.build import build_gpt, init_parallel, padded_vocab
@@ -172,7 +172,9 @@ class MegatronTrainer:
         h = hidden.index_select(0, where)
         targets = ids.index_select(0, where + 1)
         weight = self._head()
-        if self.tp == 1:
+        if where.numel() == 0:
+            lp, ent = no_response_tokens(hidden, weight)
+        elif self.tp == 1:
             # the head's GEMM in the recipe's compute dtype, as in the torch trainer (the op casts the fp32
             # master head to it); fp32 hidden states made the LM head an fp32 GEMM under bf16
             cd = self.precision.compute_dtype or weight.dtype
@@ -186,7 +188,7 @@ class MegatronTrainer:
                 h.to(weight.dtype), weight, targets, vocab_start=self.tp_rank * weight.shape[0],
                 vocab_size=self.arch.vocab_size, group=self.tp_group, temperature=temperature,
             )
-        idx = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+        idx = (torch.tensor(rows, dtype=torch.long, device=dev), torch.tensor(cols, dtype=torch.long, device=dev))
         mask = mb.response_mask.to(dev)
         logp = torch.zeros(n, t_max, device=dev).index_put(idx, lp)
         entropy = torch.zeros(n, t_max, device=dev).index_put(idx, ent)
