@@ -249,3 +249,24 @@ def test_reward_errors_of_the_user_pass_through_and_bad_reward_fns_are_refused()
         check_reward_fn(lambda a, b: 0.0, "x:two")
     ok = lambda sample, scale=1.0: scale  # noqa: E731
     assert check_reward_fn(ok, "x:ok") is ok
+
+
+def test_a_prompt_served_twice_gets_its_own_seed_and_step_each_time(tmp_path):
+    """A JSONL file of 3 rows serves the same Prompt object again each epoch, twice in one batch of 4
+    when an epoch ends inside it: each use must be its own request (deterministic seed, step)."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": w, "label": w[::-1]}) + "\n" for w in ["abc", "bcd", "cde"]))
+    cfg = tiny_config(tmp_path, "data.task=jsonl", f"data.train_path={data}", f"data.eval_path={data}",
+                      "orchestration.deterministic=true", "rollout.max_response_len=6")
+    groups = []
+
+    class Spy:
+        @hookimpl
+        def miles_after_rollout(self, ctx, step, samples):
+            groups.extend((step, s.prompt, s.metadata["step"], s.metadata["sampling_seed"]) for s in samples[::2])
+
+    run_loop(build(cfg, MilesPlugins(autoload=False, extra_plugins=[("spy", Spy())]), tmp_path), lambda r: None)
+    assert len(groups) == 8 and all(step == meta_step for step, _, meta_step, _ in groups)
+    seeds = [seed for *_, seed in groups]
+    assert len(set(seeds)) == 8  # 8 prompt uses over 2 steps, 8 seeds
+    assert len({p for _, p, *_ in groups}) == 3 and Counter(p for _, p, *_ in groups).most_common(1)[0][1] >= 3

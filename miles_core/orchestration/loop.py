@@ -7,6 +7,7 @@ run is the placement's (:mod:`miles_core.orchestration.placement`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -195,7 +196,10 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
 
         def next_prompts(n: int, step: int) -> list[Prompt]:
             nonlocal consumed
-            prompts = _tokenize(list(itertools.islice(stream, n)), tok)
+            # A task may serve one Prompt object again (a file, epoch after epoch; twice in a batch where an epoch
+            # ends): each use gets its own metadata, so that its step and sampling seed are not another use's.
+            prompts = [dataclasses.replace(p, metadata=dict(p.metadata)) for p in itertools.islice(stream, n)]
+            prompts = _tokenize(prompts, tok)
             for i, p in enumerate(prompts):
                 p.metadata.setdefault("step", step)
                 if cfg.orchestration.deterministic:
