@@ -8,6 +8,8 @@ import random
 import pytest
 
 from miles_core.data.jsonl import JsonlTask, read_prompts
+from miles_core.data.sft import read_sft_examples
+from miles_core.data.tokenizer import CharTokenizer
 from miles_core.errors import DataError
 
 
@@ -48,3 +50,24 @@ def test_score_is_an_exact_match_up_to_surrounding_whitespace(tmp_path):
     assert task.score("None", None) == 0.0  # no label: nothing matches
     assert task.eval_prompts() == []
     assert next(task.train_prompts(random.Random(0))).text == "x"
+
+
+def test_an_empty_prompt_is_named_at_start_up(tmp_path):
+    """The engines refuse a prompt of no tokens; found by the loop, that failed mid-run without the file's line."""
+    path = _write(tmp_path, [json.dumps({"q": "ok"}), json.dumps({"q": "", "a": 1})])
+    with pytest.raises(DataError, match=r"d.jsonl:2: 'q' is empty"):
+        read_prompts(path, "q", "a")
+    chat = _write(tmp_path, [json.dumps({"q": "", "messages": [{"role": "user", "content": "hi"}]})], "chat.jsonl")
+    assert read_prompts(chat, "q", "a")[0].metadata["messages"][0]["content"] == "hi"  # the loop renders the messages
+
+
+def test_a_line_that_is_not_utf8_is_named_and_a_byte_order_mark_is_skipped(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps({"q": "ok", "r": "ko"}).encode() + b"\n" + '{"q": "café"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1.jsonl:2: not UTF-8 \(invalid continuation byte at byte 10\)"):
+        read_prompts(str(path), "q", "a")
+    with pytest.raises(DataError, match=r"latin1.jsonl:2: not UTF-8"):  # the SFT reader too
+        read_sft_examples(str(path), "q", "r", CharTokenizer())
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps({"q": "héllo"}, ensure_ascii=False).encode() + b"\r\n")
+    assert [p.text for p in read_prompts(str(bom), "q", "a")] == ["héllo"]

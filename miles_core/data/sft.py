@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from miles_core.data.jsonl import read_lines
 from miles_core.errors import DataError
 from miles_core.types import Sample
 
@@ -52,20 +53,19 @@ def read_sft_examples(path: str, prompt_key: str, response_key: str, tokenizer) 
     if not file.is_file():
         raise DataError(f"data file '{path}' does not exist")
     samples: list[Sample] = []
-    with file.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get(prompt_key), str):
-                raise DataError(f"{where}: expected an object with a string '{prompt_key}' (set data.prompt_key)")
-            if response_key not in row:
-                raise DataError(f"{where}: missing key '{response_key}' (set data.response_key)")
-            samples.append(sft_sample(row[prompt_key], _segments(row[response_key], where, response_key), tokenizer, len(samples)))
+    for lineno, line in read_lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get(prompt_key), str):
+            raise DataError(f"{where}: expected an object with a string '{prompt_key}' (set data.prompt_key)")
+        if response_key not in row:
+            raise DataError(f"{where}: missing key '{response_key}' (set data.response_key)")
+        samples.append(sft_sample(row[prompt_key], _segments(row[response_key], where, response_key), tokenizer, len(samples)))
     if not samples:
         raise DataError(f"data file '{path}' has no examples")
     return samples
