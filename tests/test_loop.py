@@ -270,3 +270,22 @@ def test_a_prompt_served_twice_gets_its_own_seed_and_step_each_time(tmp_path):
     seeds = [seed for *_, seed in groups]
     assert len(set(seeds)) == 8  # 8 prompt uses over 2 steps, 8 seeds
     assert len({p for _, p, *_ in groups}) == 3 and Counter(p for _, p, *_ in groups).most_common(1)[0][1] >= 3
+
+
+def test_a_reward_may_be_any_real_number_numpy_s_included():
+    """np.float32 / np.int64 are not float / int subclasses; a verifier computing with numpy returns them."""
+    import numpy as np
+    import pytest
+
+    from miles_core.rewards.runner import RewardError, score_samples
+    from miles_core.testing.contracts import check_reward
+    from miles_core.types import Sample
+
+    s = [Sample("p", [1], [2], "x", [0.0]), Sample("p", [1], [3], "y", [0.0], index=1)]
+    for value, want in ((np.float32(0.25), 0.25), (np.int64(3), 3.0), (np.float64(-0.5), -0.5), (2, 2.0)):
+        assert score_samples(lambda x, v=value: v, "np", s, 1.0) == [want, want]
+        assert type(s[0].reward) is float and s[1].reward == want
+        check_reward(lambda x, v=value: v, "np")
+    for value in (np.bool_(True), np.float32("nan"), torch.tensor(1.0)):
+        with pytest.raises(RewardError, match="it must return a finite number"):
+            score_samples(lambda x, v=value: v, "odd", s, 1.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import numbers
 
 from miles_core.errors import MilesUserError
 from miles_core.rewards.base import RewardFn
@@ -19,8 +20,14 @@ class RewardError(MilesUserError):
     pass
 
 
+def is_reward_value(value: object) -> bool:
+    """A finite real number: int, float, or numpy's scalars (np.float32 and np.int64 are not float and int
+    subclasses, and a verifier computing with numpy returns them). Not a bool (nor numpy's)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _check(value: object, name: str, sample: Sample) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not is_reward_value(value):
         raise RewardError(f"reward '{name}' returned {value!r} for sample {sample.index}; it must return a finite number")
     return float(value)
 

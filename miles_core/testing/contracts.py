@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -11,6 +10,7 @@ from miles_core.algorithms.config import AlgorithmConfig
 from miles_core.config.loader import load_config
 from miles_core.config.schema import MilesConfig
 from miles_core.rewards.custom import check_reward_fn
+from miles_core.rewards.runner import is_reward_value
 from miles_core.types import AdvantageInputs, AdvantageOutputs, LossInputs, LossOutput, Sample
 
 
@@ -37,8 +37,7 @@ def check_reward(fn, name: str = "reward") -> None:
     check_reward_fn(fn, name)
     sample = Sample(prompt="1+1=", prompt_ids=[1], response_ids=[2], response="2", rollout_logprobs=[0.0], label="2")
     value = fn(sample)
-    assert isinstance(value, (int, float)) and not isinstance(value, bool), f"{name} returned {value!r}"
-    assert math.isfinite(value), f"{name} returned {value!r}, not a finite number"
+    assert is_reward_value(value), f"{name} returned {value!r}, not a finite number"
 
 
 def check_advantage_estimator(fn, cfg: AlgorithmConfig | None = None) -> AdvantageOutputs:
