@@ -87,6 +87,11 @@ def test_bad_value_names_the_key():
     ("train.attention=flex", "train.attention must be auto, sdpa, padded, varlen or cudnn, got 'flex'"),
     ("train.old_logprobs=never", "train.old_logprobs must be auto or recompute, got 'never'"),
     ("train.sft_warmup_steps=-1", "train.sft_warmup_steps must be >= 0, got -1"),
+    # an empty SFT batch failed the first warm-up step with "max() arg is an empty sequence"
+    ("train.sft_batch_size=0", "train.sft_batch_size must be >= 1, got 0"),
+    # a negative SFT rate trained away from the demonstrations; 0 fell back to train.lr unsaid
+    ("train.sft_lr=-0.001", r"train.sft_lr must be > 0 \(or null: train.lr\), got -0.001"),
+    ("train.sft_lr=0", r"train.sft_lr must be > 0 \(or null: train.lr\), got 0"),
 ])
 def test_bad_train_value_names_the_key(override, message):
     with pytest.raises(ConfigError, match=message):

@@ -56,5 +56,9 @@ class TrainConfig:
             raise ConfigError(f"train.updates_per_rollout must be >= 1, got {self.updates_per_rollout}")
         if self.sft_warmup_steps < 0:
             raise ConfigError(f"train.sft_warmup_steps must be >= 0, got {self.sft_warmup_steps}")
+        if self.sft_batch_size < 1:
+            raise ConfigError(f"train.sft_batch_size must be >= 1, got {self.sft_batch_size}")
+        if self.sft_lr is not None and self.sft_lr <= 0:
+            raise ConfigError(f"train.sft_lr must be > 0 (or null: train.lr), got {self.sft_lr}")
         if self.backend == "megatron":
             self.megatron.validate()
