@@ -289,3 +289,28 @@ def test_a_reward_may_be_any_real_number_numpy_s_included():
     for value in (np.bool_(True), np.float32("nan"), torch.tensor(1.0)):
         with pytest.raises(RewardError, match="it must return a finite number"):
             score_samples(lambda x, v=value: v, "odd", s, 1.0)
+
+
+def test_prompts_without_reference_answers_for_sft(tmp_path):
+    """JSONL rows without a label have no reference answer. The SFT warm-up on them is refused with one line
+    (it failed with "max() arg is an empty sequence"); run.mode=sft evaluates such held-out prompts without
+    eval_nll (it failed the same way) and trains on its own data.train_path examples."""
+    import pytest
+
+    from miles_core.errors import DataError
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in ["abc", "bcd", "cde"]))
+    cfg = tiny_config(tmp_path, "data.task=jsonl", f"data.train_path={prompts}", f"data.eval_path={prompts}",
+                      "train.sft_warmup_steps=2", "train.sft_batch_size=4")
+    with pytest.raises(DataError, match=r"^train.sft_warmup_steps trains on the task's reference answers: "
+                                        r"task 'jsonl' has none for the 4 prompts of warm-up step 1 \(JSONL: data.label_key\)$"):
+        run_loop(build(cfg, MilesPlugins(autoload=False), tmp_path), lambda r: None)
+
+    examples = tmp_path / "sft.jsonl"
+    examples.write_text("".join(json.dumps({"prompt": w, "response": w[::-1]}) + "\n" for w in ["abc", "bcd", "cde"]))
+    cfg = tiny_config(tmp_path, "run.mode=sft", "data.task=jsonl", f"data.train_path={examples}", f"data.eval_path={prompts}")
+    records = []
+    summary, _ = run_loop(build(cfg, MilesPlugins(autoload=False), tmp_path), records.append)
+    assert [r["step"] for r in records] == [0, 1, 2] and all("eval_accuracy" in r and "eval_nll" not in r for r in records)
+    assert summary["eval_nll_first"] is None and summary["train_nll_last"] > 0

@@ -20,6 +20,7 @@ from miles_core.algorithms.distill import add_distillation
 from miles_core.algorithms.masked import masked_mean
 from miles_core.algorithms.mismatch import mismatch_metrics
 from miles_core.algorithms.stats import advantage_metrics
+from miles_core.errors import DataError
 from miles_core.orchestration.aux_models import AuxModels, build_aux_models
 from miles_core.orchestration.build import Components, tokenizer_files
 from miles_core.orchestration.checkpoint import LoopState, find_checkpoint, load_checkpoint, save_checkpoint
@@ -181,7 +182,11 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             timer = Timer()
             prompts = _tokenize(list(itertools.islice(stream, t.sft_batch_size)), tok)
             consumed += len(prompts)
-            batch = make_train_batch(_reference_samples(prompts, c.task, tok), tok.pad_token_id)
+            refs = _reference_samples(prompts, c.task, tok)
+            if not refs:  # nothing to train on (JSONL rows without a label)
+                raise DataError(f"train.sft_warmup_steps trains on the task's reference answers: task '{c.task.name}' has none "
+                                f"for the {len(prompts)} prompts of warm-up step {w + 1} (JSONL: data.label_key)")
+            batch = make_train_batch(refs, tok.pad_token_id)
             with timer("train"):
                 m = trainer.train_step(batch, c.sft_loss, temperature=1.0, lr=t.sft_lr or t.lr)
             on_metrics({"phase": "sft", "step": w + 1, **m, **timer.times})

@@ -6,7 +6,7 @@ miles_core/data/sft.py) or, without a file, from the task's reference answers. E
 reshuffled with the run seed) at ``train.sft_lr`` (or ``train.lr``). Every ``run.eval_every``
 steps, and before the first and after the last, the weights go to the engine and the held-out
 prompts are decoded greedily (``eval_accuracy``); ``eval_nll`` is the mean per-token NLL of the
-held-out reference answers.
+held-out reference answers (absent where the held-out prompts have none).
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ def run_sft(c, backend, trainer, eval_prompts, eval_refs, evaluate, on_metrics) 
         version += 1
         c.transport.push(trainer.weights(), version, backend)
         c.ctx.plugins.after_weight_sync(c.ctx, version)
-        record.update(evaluate(c, backend, eval_prompts), eval_nll=eval_nll(c, trainer, eval_refs))
+        record.update(evaluate(c, backend, eval_prompts))
+        if eval_refs:  # held-out prompts without reference answers (JSONL rows without a label) have no NLL
+            record["eval_nll"] = eval_nll(c, trainer, eval_refs)
 
     first: dict[str, Any] = {"phase": "sft", "step": 0}
     do_eval(0, first)
@@ -79,8 +81,8 @@ def run_sft(c, backend, trainer, eval_prompts, eval_refs, evaluate, on_metrics) 
         "eval_accuracy_first": evals[0]["eval_accuracy"],
         "eval_accuracy_last": evals[-1]["eval_accuracy"],
         "eval_accuracy_gain": evals[-1]["eval_accuracy"] - evals[0]["eval_accuracy"],
-        "eval_nll_first": evals[0]["eval_nll"],
-        "eval_nll_last": evals[-1]["eval_nll"],
+        "eval_nll_first": evals[0].get("eval_nll"),
+        "eval_nll_last": evals[-1].get("eval_nll"),
         "train_nll_first": trains[0] if trains else None,
         "train_nll_last": trains[-1] if trains else None,
     }
