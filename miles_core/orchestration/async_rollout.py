@@ -54,8 +54,6 @@ class AsyncSchedule:
         core = getattr(backend, "core", None)
         if core is None:
             raise ConfigError("orchestration.schedule=async drives the built-in engine in process: use rollout.backend=builtin, placement=local")
-        if cfg.algorithm.dynamic_sampling:
-            raise ConfigError("orchestration.schedule=async does not support algorithm.dynamic_sampling yet")
         self.c, self.backend, self.core, self.next_prompts, self.params = c, backend, core, next_prompts, params
         self.want, self.n = cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt
         self.max_staleness = cfg.orchestration.max_staleness

@@ -159,6 +159,8 @@ def check_algorithm(cfg: MilesConfig, estimator=None) -> None:
         if a.dynamic_sampling:
             raise ConfigError("algorithm.dynamic_sampling drops groups whose rewards are all equal, which a group of one "
                               f"always is: it needs rollout.n_samples_per_prompt >= 2, got {r.n_samples_per_prompt}")
+    if a.dynamic_sampling and cfg.orchestration.schedule == "async":  # here, not when the loop makes the schedule (after the warm-up)
+        raise ConfigError("orchestration.schedule=async does not support algorithm.dynamic_sampling yet")
     if a.overlong_buffer >= r.max_response_len:
         raise ConfigError(
             f"algorithm.overlong_buffer ({a.overlong_buffer}) must be below rollout.max_response_len ({r.max_response_len})"

@@ -250,3 +250,15 @@ def test_critic_clips_its_gradient_to_train_grad_clip(grad_clip):
         assert after == pytest.approx(grad_clip, rel=1e-4)  # the step took the clipped gradient
     else:  # 0 disables clipping
         assert after == pytest.approx(m["value_grad_norm"], rel=1e-5)
+
+
+def test_async_schedule_refuses_dynamic_sampling_when_built(tmp_path):
+    """Refused by the schedule when the loop made it, this came after the SFT warm-up and the first eval, and
+    `miles validate` passed the config."""
+    from miles_core.orchestration.build import build
+    from miles_core.plugins.manager import MilesPlugins
+    from miles_core.testing.contracts import tiny_config
+
+    cfg = tiny_config(tmp_path, "orchestration.schedule=async", "algorithm.dynamic_sampling=true")
+    with pytest.raises(ConfigError, match=r"^orchestration.schedule=async does not support algorithm.dynamic_sampling yet$"):
+        build(cfg, MilesPlugins(autoload=False), None)
