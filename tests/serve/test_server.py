@@ -345,3 +345,27 @@ def test_stream_event_of_a_request_the_engine_has_since_finished():
     assert len(ev["meta_info"]["output_top_logprobs"]) == 2
     final = response(req, "full", True, 0, 0.0)
     assert final["output_ids"] == req.output_ids and final["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+
+
+def test_a_weight_update_does_not_leave_old_pages_in_the_prefix_cache(client, server, model_dir):
+    """Pages of a request running across a weight update hold K/V from the old weights (and K/V computed over
+    them): when it ends, they must not be cached, or the next request with that prompt reuses the old K/V."""
+    prompt = "a prompt of several full pages"
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    name = "model.layers.0.self_attn.v_proj.weight"
+    new = server.engine.core.model.state_dict()[name] * -2
+    update = {"named_tensors": [{"name": name, "dtype": "float32", "shape": list(new.shape),
+                                 "data": base64.b64encode(new.numpy().tobytes()).decode()}]}
+    assert client.post("/flush_cache", {})[0] == 200
+    t, result = _long_generation(client, server, prompt, "across")
+    try:
+        assert client.post("/update_weights_from_tensor", update)[0] == 200
+    finally:
+        assert client.post("/abort_request", {"rid": "across"})[1]["success"]
+        t.join(30)
+    after = client.post("/generate", body)[1]
+    assert client.post("/flush_cache", {})[0] == 200
+    fresh = client.post("/generate", body)[1]
+    assert client.post("/update_weights_from_disk", {"model_path": str(model_dir)})[0] == 200  # the module's weights back
+    assert after["meta_info"]["cached_tokens"] == 0  # nothing the old weights computed is reused
+    assert after["output_ids"] == fresh["output_ids"]

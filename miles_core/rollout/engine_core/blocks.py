@@ -34,6 +34,7 @@ class BlockManager:
         self.cached: dict[PageKey, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached pages with ref 0, LRU first
         self.free: deque[int] = deque(range(1, num_blocks))  # page 0 is the padding page
+        self.stale: set[int] = set()  # pages in use at a flush (see :meth:`flush`): never cached
         self.hits = 0  # prompt tokens served from the prefix cache (cumulative)
 
     @property
@@ -53,6 +54,7 @@ class BlockManager:
     def _release(self, b: int) -> None:
         self.ref[b] -= 1
         if self.ref[b] == 0:
+            self.stale.discard(b)
             if self.key_of[b] is not None:
                 self.evictable[b] = None
             else:
@@ -119,8 +121,9 @@ class BlockManager:
         return True
 
     def commit(self, req: Request) -> None:
-        """Register the full pages of ``req`` whose tokens are all computed, for later reuse."""
-        if not self.prefix_caching:
+        """Register the full pages of ``req`` whose tokens are all computed, for later reuse. A sequence
+        holding a page from before a flush registers none: its K/V, and all computed over it, are the old weights'."""
+        if not self.prefix_caching or (self.stale and not self.stale.isdisjoint(req.block_ids)):
             return
         ids = req.all_ids
         bs = self.block_size
@@ -139,10 +142,13 @@ class BlockManager:
         req.block_ids = []
 
     def flush(self) -> None:
-        """Forget every cached prefix (pages in use stay in use)."""
+        """Forget every cached prefix (on a weight update). Pages in use stay in use, but are never
+        cached: their sequences' K/V were computed with the weights before."""
         for b in list(self.evictable):
             self.free.append(b)
         self.evictable.clear()
         for b in range(self.num_blocks):
             self.key_of[b] = None
+            if self.ref[b]:
+                self.stale.add(b)
         self.cached.clear()
