@@ -73,9 +73,15 @@ class MilesServer:
 
     def submit(self, items: list[GenerateItem]) -> list[tuple[GenerateItem, list[Request], queue.Queue]]:
         handles = []
-        for it in items:
-            reqs, sink = self.engine.submit(it.prompt_ids, it.params, it.rid, it.n)
-            handles.append((it, reqs, sink))
+        try:
+            for it in items:
+                reqs, sink = self.engine.submit(it.prompt_ids, it.params, it.rid, it.n)
+                handles.append((it, reqs, sink))
+        except Exception:  # a later prompt refused: so is the whole request, and none of it runs on unseen
+            for _it, reqs, _sink in handles:
+                for r in reqs:
+                    self.engine.abort(r.request_id)
+            raise
         return handles
 
     def wait(self, handles) -> list[tuple[GenerateItem, Request]]:

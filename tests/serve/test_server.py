@@ -369,3 +369,23 @@ def test_a_weight_update_does_not_leave_old_pages_in_the_prefix_cache(client, se
     assert client.post("/update_weights_from_disk", {"model_path": str(model_dir)})[0] == 200  # the module's weights back
     assert after["meta_info"]["cached_tokens"] == 0  # nothing the old weights computed is reused
     assert after["output_ids"] == fresh["output_ids"]
+
+
+def test_a_refused_prompt_leaves_none_of_its_request_running(client, server):
+    """A batch with a bad prompt, or an n-group with a taken sample id, is refused whole: the prompts and
+    samples queued before the refusal do not run on unseen, holding their ids."""
+    core = server.engine.core
+    long = {"max_new_tokens": 3000, "ignore_eos": True}
+    status, out = client.post("/generate", {"input_ids": [[5, 6, 7], [100000]], "rid": ["first", "second"], "sampling_params": long})
+    assert status == 400 and "input_ids must be in" in out["error"]["message"]
+    assert "first" not in core.requests
+    status, out = client.post("/generate", {"input_ids": [5, 6, 7], "rid": "first", "sampling_params": GREEDY})
+    assert status == 200 and out["meta_info"]["completion_tokens"] == 6  # its id is free
+    t, result = _long_generation(client, server, "7", "grp-1")
+    try:
+        status, out = client.post("/generate", {"text": "7", "rid": "grp", "sampling_params": {**long, "n": 2}})
+        assert status == 400 and "'grp-1' is already in use" in out["error"]["message"]
+        assert "grp-0" not in core.requests
+    finally:
+        assert client.post("/abort_request", {"rid": "grp-1"})[1]["success"]
+        t.join(30)

@@ -204,11 +204,11 @@ class EngineCore:
             raise DataError(f"seed must be a 64-bit integer (with n={n}: at most 2**63 - {n}), got {params.seed}")
         base = request_id if request_id is not None else f"req-{next(self._ids)}"
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        rids = [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
+        if (taken := next((rid for rid in rids if rid in self.requests), None)) is not None:  # before any sample is queued
+            raise DataError(f"request id '{taken}' is already in use")
         out: list[Request] = []
-        for i in range(n):
-            rid = base if n == 1 else f"{base}-{i}"
-            if rid in self.requests:
-                raise DataError(f"request id '{rid}' is already in use")
+        for i, rid in enumerate(rids):
             seed = params.seed + i if params.seed is not None else self.rng.getrandbits(62)
             req = Request(rid, list(prompt_ids), params, seed, stop_ids, leader=out[0] if out else None)
             self.requests[rid] = req
