@@ -192,7 +192,7 @@ def _make_handler(server: MilesServer):
         def generate(self, body):
             items, batch, stream = parse_generate(body, server.tokenizer.encode)
             t0 = time.perf_counter()
-            version = lambda: server.engine.core.weight_version  # noqa: E731
+            version = lambda: server.engine.core.weight_version  # noqa: E731  (a partial event; a finished request: the one it ended under)
             handles = server.submit(items)
             if stream:
                 _it, reqs, sink = handles[0]
@@ -206,13 +206,14 @@ def _make_handler(server: MilesServer):
                         req, n = out.request, emitted.get(out.request_id, 0) + len(out.new_ids)
                         emitted[out.request_id] = n
                         part = None if out.finished else n
-                        self._event(response(req, server.text_of(req, part), _it.return_logprob, version(), time.perf_counter() - t0, part))
+                        v = version() if part is not None else req.weight_version
+                        self._event(response(req, server.text_of(req, part), _it.return_logprob, v, time.perf_counter() - t0, part))
                     self._event(b"[DONE]")
                 except (BrokenPipeError, ConnectionResetError):  # the client went away: stop its requests
                     for r in reqs:
                         server.engine.abort(r.request_id)
                 return
-            outs = [response(req, server.text_of(req), it.return_logprob, version(), time.perf_counter() - t0)
+            outs = [response(req, server.text_of(req), it.return_logprob, req.weight_version, time.perf_counter() - t0)
                     for it, req in server.wait(handles)]
             self._send(200, outs if batch else outs[0])
 

@@ -389,3 +389,27 @@ def test_a_refused_prompt_leaves_none_of_its_request_running(client, server):
     finally:
         assert client.post("/abort_request", {"rid": "grp-1"})[1]["success"]
         t.join(30)
+
+
+def test_each_sample_reports_the_weight_version_it_finished_under(client, server, model_dir):
+    """A batch answers when its last prompt ends: a prompt that ended before a weight update reports the version
+    it was generated with, not the one loaded since."""
+    core = server.engine.core
+    result = {}
+    body = {"input_ids": [[5, 6], [7, 8]], "rid": ["early", "late"],
+            "sampling_params": [{"max_new_tokens": 2, "ignore_eos": True}, {"max_new_tokens": 3000, "ignore_eos": True}]}
+    t = threading.Thread(target=lambda: result.setdefault("out", client.post("/generate", body)))
+    t.start()
+    deadline = time.time() + 30
+    while time.time() < deadline and ("early" in core.requests or "late" not in core.requests):
+        time.sleep(0.01)
+    before = core.weight_version
+    try:
+        status, res = client.post("/update_weights_from_disk", {"model_path": str(model_dir), "weight_version": before + 1})
+        assert status == 200 and res["weight_version"] == str(before + 1)
+    finally:
+        assert client.post("/abort_request", {"rid": "late"})[1]["success"]
+        t.join(30)
+    status, (early, late) = result["out"]
+    assert status == 200 and early["meta_info"]["completion_tokens"] == 2
+    assert early["meta_info"]["weight_version"] == str(before) and late["meta_info"]["weight_version"] == str(before + 1)
