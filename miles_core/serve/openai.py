@@ -1,7 +1,8 @@
 """OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions`` over the same engine.
 
 Request fields: ``prompt`` (text or token ids) or ``messages`` (chat; rendered with the
-tokenizer's chat template when it has one, else ``role: content`` lines), ``max_tokens``,
+tokenizer's chat template when it has one, else ``role: content`` lines), ``max_tokens`` or
+``max_completion_tokens`` (absent: 16 for a completion, a chat to its end, as OpenAI's and SGLang's),
 ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``, ``logprobs`` (completions: an int = top-k;
 chat: a bool with ``top_logprobs``), ``stream``. Responses follow OpenAI's ``text_completion`` /
 ``chat.completion`` objects, with ``usage``.
@@ -40,7 +41,13 @@ def _item(server, body: dict, chat: bool) -> GenerateItem:
             ids = list(prompt)
         else:
             raise BadRequest("'prompt' must be a non-empty string or a list of token ids")
-    sp = {"max_new_tokens": body.get("max_completion_tokens") or body.get("max_tokens") or 128}
+    for key in ("max_completion_tokens", "max_tokens"):
+        v = body.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise BadRequest(f"'{key}' must be a positive integer, got {v!r}")
+    # absent: OpenAI's (and SGLang's) defaults, 16 tokens for a completion, a chat's to its end (the context's limit)
+    default = server.engine.core.max_model_len if chat else 16
+    sp = {"max_new_tokens": body.get("max_completion_tokens") or body.get("max_tokens") or default}
     for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("n", "n"), ("stop", "stop"), ("seed", "sampling_seed")):
         if body.get(src) is not None:
             sp[dst] = body[src]

@@ -122,3 +122,20 @@ def test_bad_requests_name_the_field(client):
     ]:
         status, out = client.post(path, body)
         assert status == 400 and reason in out["error"]["message"], (path, body, out)
+
+
+def test_max_tokens_absent_zero_and_null(client, server):
+    """As SGLang's OpenAI server (and OpenAI's API): a completion without max_tokens makes at most 16 tokens, a chat
+    completion runs to its end (a stop, or the context); max_tokens 0 is refused, not read as absent; null is absent."""
+    out = client.post("/v1/completions", {"prompt": "5*5=", "temperature": 0, "stop": ["never"]})[1]
+    assert out["usage"]["completion_tokens"] == 16 and out["choices"][0]["finish_reason"] == "length"
+    assert client.post("/v1/completions", {"prompt": "5*5=", "temperature": 0, "max_tokens": None})[1]["usage"]["completion_tokens"] == 16
+    for path, body in [("/v1/completions", {"prompt": "5*5="}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]:
+        for key in ("max_tokens", "max_completion_tokens"):
+            status, res = client.post(path, {**body, key: 0})
+            assert status == 400 and f"'{key}'" in res["error"]["message"], (path, key, res)
+    messages = [{"role": "user", "content": "5*5"}]
+    status, out = client.post("/v1/chat/completions", {"messages": messages, "temperature": 0})
+    ref = generate(client, chat_prompt(server, messages), max_new_tokens=server.engine.core.max_model_len, temperature=0)
+    assert status == 200 and out["choices"][0]["message"]["content"] == ref["text"]
+    assert out["usage"]["completion_tokens"] == ref["meta_info"]["completion_tokens"] > 128  # not cut at a default
