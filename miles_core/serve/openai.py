@@ -130,7 +130,7 @@ def completions(handler, server, body, chat: bool) -> None:
             for r in reqs:
                 server.engine.abort(r.request_id)
         return
-    done = [r for _i, r in server.wait(handles)]
+    done = [r for _i, r in server.wait(handles, handler._gone)]
     choices = []
     for i, req in enumerate(done):
         text = server.text_of(req)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import base64
 import json
 import queue
+import select
+import socket
 import threading
 import time
 from http import HTTPStatus
@@ -84,12 +86,20 @@ class MilesServer:
             raise
         return handles
 
-    def wait(self, handles) -> list[tuple[GenerateItem, Request]]:
-        """Block until every request is finished; (item, request) prompt by prompt, sample by sample."""
+    def wait(self, handles, gone=None) -> list[tuple[GenerateItem, Request]]:
+        """Block until every request is finished; (item, request) prompt by prompt, sample by sample.
+        ``gone()``, asked every ``_HANGUP_POLL_S`` seconds meanwhile: True once the client has closed its
+        connection; then every request is aborted (SGLang does so too) and ConnectionResetError raised."""
         for _it, reqs, sink in handles:
             left = len(reqs)
             while left:
-                left -= sink.get().finished
+                try:
+                    left -= sink.get(timeout=_HANGUP_POLL_S if gone else None).finished
+                except queue.Empty:
+                    if gone():
+                        for r in (r for _i, rs, _s in handles for r in rs):
+                            self.engine.abort(r.request_id)
+                        raise ConnectionResetError("the client closed the connection") from None
         return [(it, r) for it, reqs, _ in handles for r in reqs]
 
 
@@ -135,6 +145,14 @@ def _make_handler(server: MilesServer):
                 raise _HTTPError(HTTPStatus.BAD_REQUEST, f"malformed JSON: {exc}") from None
             except RecursionError:  # nesting deeper than the parser's recursion limit, within the size bound
                 raise _HTTPError(HTTPStatus.BAD_REQUEST, "malformed JSON: nested too deeply") from None
+
+        def _gone(self) -> bool:
+            """True once the client has closed its end (readable with nothing to read); a pipelined next
+            request is not that."""
+            try:
+                return bool(select.select([self.connection], [], [], 0)[0]) and not self.connection.recv(1, socket.MSG_PEEK)
+            except OSError:
+                return True
 
         def _start_stream(self) -> None:
             self.send_response(200)
@@ -214,7 +232,7 @@ def _make_handler(server: MilesServer):
                         server.engine.abort(r.request_id)
                 return
             outs = [response(req, server.text_of(req), it.return_logprob, req.weight_version, time.perf_counter() - t0)
-                    for it, req in server.wait(handles)]
+                    for it, req in server.wait(handles, self._gone)]
             self._send(200, outs if batch else outs[0])
 
         def abort_request(self, body):
@@ -325,6 +343,9 @@ def _make_handler(server: MilesServer):
         "/v1/models": Handler.models,
     }
     return Handler
+
+
+_HANGUP_POLL_S = 0.5  # how often a non-streaming request checks that its client is still connected
 
 
 class _HTTPError(Exception):

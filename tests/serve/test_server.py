@@ -413,3 +413,27 @@ def test_each_sample_reports_the_weight_version_it_finished_under(client, server
     status, (early, late) = result["out"]
     assert status == 200 and early["meta_info"]["completion_tokens"] == 2
     assert early["meta_info"]["weight_version"] == str(before) and late["meta_info"]["weight_version"] == str(before + 1)
+
+
+def test_a_client_that_hangs_up_on_a_plain_generate_aborts_its_requests(server, client):
+    """As SGLang does: a client that closes its connection before the answer (a timeout, say) ends its requests
+    instead of leaving them to run to max_new_tokens holding pages and their rids. Paused, so nothing ends by itself."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    body = json.dumps({"text": "4+4=", "rid": "hung", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True, "n": 2}}).encode()
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    core = server.engine.core
+    deadline = time.time() + 30
+    while time.time() < deadline and len(getattr(core.requests.get("hung-1"), "output_ids", ())) <= 3:
+        time.sleep(0.01)
+    reqs = [core.requests["hung-0"], core.requests["hung-1"]]
+    assert client.post("/pause_generation", {"mode": "in_place"})[0] == 200
+    try:
+        sock.close()
+        deadline = time.time() + 30
+        while time.time() < deadline and any(r.finish_reason is None for r in reqs):
+            time.sleep(0.01)
+        assert [r.finish_reason for r in reqs] == ["abort", "abort"]
+        assert "hung-0" not in core.requests and "hung-1" not in core.requests
+    finally:
+        assert client.post("/continue_generation", {})[0] == 200
