@@ -217,6 +217,7 @@ def _make_handler(server: MilesServer):
                 self._start_stream()
                 try:
                     left = len(reqs)
+                    index = {r.request_id: i for i, r in enumerate(reqs)} if len(reqs) > 1 else {}  # SGLang's "index" of n samples
                     emitted: dict[str, int] = {}  # output tokens per request so far, from the outputs themselves:
                     while left:  # the engine thread may be steps ahead of this one (and done) by the time an event is written
                         out = sink.get()
@@ -225,7 +226,10 @@ def _make_handler(server: MilesServer):
                         emitted[out.request_id] = n
                         part = None if out.finished else n
                         v = version() if part is not None else req.weight_version
-                        self._event(response(req, server.text_of(req, part), _it.return_logprob, v, time.perf_counter() - t0, part))
+                        event = response(req, server.text_of(req, part), _it.return_logprob, v, time.perf_counter() - t0, part)
+                        if index:
+                            event["index"] = index[out.request_id]
+                        self._event(event)
                     self._event(b"[DONE]")
                 except (BrokenPipeError, ConnectionResetError):  # the client went away: stop its requests
                     for r in reqs:

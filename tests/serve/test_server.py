@@ -437,3 +437,15 @@ def test_a_client_that_hangs_up_on_a_plain_generate_aborts_its_requests(server, 
         assert "hung-0" not in core.requests and "hung-1" not in core.requests
     finally:
         assert client.post("/continue_generation", {})[0] == 200
+
+
+def test_a_stream_of_n_samples_numbers_its_events(client):
+    """SGLang's stream of several samples gives each event an "index" (the sample's place in the answer list);
+    a single sample's stream has none."""
+    sampling = {"max_new_tokens": 5, "temperature": 1.0, "sampling_seed": 4}
+    events = client.stream("/generate", {"text": "3+", "rid": "idx", "stream": True, "sampling_params": {**sampling, "n": 3}})
+    assert {e["meta_info"]["id"]: e["index"] for e in events} == {"idx-0": 0, "idx-1": 1, "idx-2": 2}
+    finals = {e["index"]: e for e in events if e["meta_info"]["finish_reason"] is not None}
+    status, outs = client.post("/generate", {"text": "3+", "sampling_params": {**sampling, "n": 3}})
+    assert status == 200 and [finals[i]["output_ids"] for i in range(3)] == [o["output_ids"] for o in outs]
+    assert all("index" not in e for e in client.stream("/generate", {"text": "3+", "stream": True, "sampling_params": sampling}))
