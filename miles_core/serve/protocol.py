@@ -3,7 +3,7 @@
 Field names follow SGLang's ``GenerateReqInput`` and ``SamplingParams`` (``text`` / ``input_ids``,
 ``sampling_params``, ``rid``, ``return_logprob``, ``top_logprobs_num``, ``stream``; ``max_new_tokens``,
 ``temperature``, ``top_p``, ``top_k`` (-1 = off), ``min_p``, ``stop``, ``stop_token_ids``,
-``ignore_eos``, ``n``, ``sampling_seed``), and of its ``meta_info`` (``id``, ``finish_reason``
+``ignore_eos``, ``n``, ``sampling_seed``, ``no_stop_trim``), and of its ``meta_info`` (``id``, ``finish_reason``
 as ``{"type": "stop"|"length"|"abort", ...}``, ``prompt_tokens``, ``completion_tokens``,
 ``cached_tokens``, ``output_token_logprobs`` as ``[logprob, token_id, None]`` triples,
 ``output_top_logprobs``, ``weight_version``). Unknown sampling fields are rejected, so a typo is a 400
@@ -39,6 +39,7 @@ class GenerateItem:
     rid: str | None
     return_logprob: bool
     top_logprobs_num: int
+    no_stop_trim: bool = False  # the text keeps the matched stop string or stop token's text
 
 
 def _num(d: dict, key: str, kind, default, lo=None, hi=None, lo_open=False):
@@ -136,7 +137,10 @@ def parse_generate(body: Any, encode) -> tuple[list[GenerateItem], bool, bool]:
         if not isinstance(tops[i], int) or isinstance(tops[i], bool) or not 0 <= tops[i] <= 100:
             raise BadRequest("'top_logprobs_num' must be an integer in [0, 100]")
         params.top_logprobs = tops[i] if lps[i] else 0
-        items.append(GenerateItem(list(prompts[i]), params, n, rids[i], bool(lps[i]), tops[i]))
+        keep = (sps[i] or {}).get("no_stop_trim") or False
+        if not isinstance(keep, bool):
+            raise BadRequest("sampling_params.no_stop_trim must be true or false")
+        items.append(GenerateItem(list(prompts[i]), params, n, rids[i], bool(lps[i]), tops[i], keep))
     return items, batch or any(it.n > 1 for it in items), stream
 
 

@@ -68,8 +68,14 @@ class MilesServer:
         self.engine.shutdown()
 
     # ------------------------------------------------------------------ generation
-    def text_of(self, req: Request, upto: int | None = None) -> str:
+    def text_of(self, req: Request, upto: int | None = None, trim: bool = True) -> str:
+        """The text of ``req``'s output (its first ``upto`` tokens); ``trim``: without the matched stop
+        string or stop token (SGLang's default; ``no_stop_trim`` keeps them)."""
         ids = req.output_ids if upto is None else req.output_ids[:upto]
+        if not trim:  # up to the end of the first stop string, as SGLang (a token may run past it)
+            text = self.tokenizer.decode(ids)
+            ends = [i + len(s) for s in req.params.stop if (i := text.find(s)) >= 0]
+            return text[: min(ends)] if ends else text
         text = self.tokenizer.decode([t for t in ids if t not in req.stop_ids])
         return trim_stop(text, req.params.stop) if req.params.stop else text
 
@@ -226,7 +232,7 @@ def _make_handler(server: MilesServer):
                         emitted[out.request_id] = n
                         part = None if out.finished else n
                         v = version() if part is not None else req.weight_version
-                        event = response(req, server.text_of(req, part), _it.return_logprob, v, time.perf_counter() - t0, part)
+                        event = response(req, server.text_of(req, part, not _it.no_stop_trim), _it.return_logprob, v, time.perf_counter() - t0, part)
                         if index:
                             event["index"] = index[out.request_id]
                         self._event(event)
@@ -235,7 +241,7 @@ def _make_handler(server: MilesServer):
                     for r in reqs:
                         server.engine.abort(r.request_id)
                 return
-            outs = [response(req, server.text_of(req), it.return_logprob, req.weight_version, time.perf_counter() - t0)
+            outs = [response(req, server.text_of(req, None, not it.no_stop_trim), it.return_logprob, req.weight_version, time.perf_counter() - t0)
                     for it, req in server.wait(handles, self._gone)]
             self._send(200, outs if batch else outs[0])
 

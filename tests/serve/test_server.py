@@ -449,3 +449,23 @@ def test_a_stream_of_n_samples_numbers_its_events(client):
     status, outs = client.post("/generate", {"text": "3+", "sampling_params": {**sampling, "n": 3}})
     assert status == 200 and [finals[i]["output_ids"] for i in range(3)] == [o["output_ids"] for o in outs]
     assert all("index" not in e for e in client.stream("/generate", {"text": "3+", "stream": True, "sampling_params": sampling}))
+
+
+def test_no_stop_trim_keeps_the_matched_stop_in_the_text(client, server):
+    """SGLang's sampling_params.no_stop_trim (RL clients send it to get the exact text the tokens make): the stop
+    string, or the text of a matched stop token, stays at the end of the text; without it, both are cut."""
+    sampling = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    full = client.post("/generate", {"text": "8+9=", "sampling_params": sampling})[1]
+    stop = full["text"][4:6]
+    stop_id = next(t for t in full["output_ids"][3:] if server.tokenizer.decode([t]))  # a token with text
+    upto = full["output_ids"].index(stop_id)
+    cases = [({"stop": stop}, full["text"][: full["text"].find(stop)], stop),
+             ({"stop_token_ids": [stop_id]}, server.tokenizer.decode(full["output_ids"][:upto]), server.tokenizer.decode([stop_id]))]
+    for extra, text, tail in cases:
+        trimmed = client.post("/generate", {"text": "8+9=", "sampling_params": {**sampling, **extra}})[1]
+        kept = client.post("/generate", {"text": "8+9=", "sampling_params": {**sampling, **extra, "no_stop_trim": True}})[1]
+        assert kept["output_ids"] == trimmed["output_ids"] and kept["meta_info"]["finish_reason"]["type"] == "stop"
+        assert trimmed["text"] == text and kept["text"] == text + tail, (extra, kept, trimmed)
+        events = client.stream("/generate", {"text": "8+9=", "stream": True, "sampling_params": {**sampling, **extra, "no_stop_trim": True}})
+        assert events[-1]["text"] == text + tail
+    assert client.post("/generate", {"text": "8+9=", "sampling_params": {"no_stop_trim": "yes"}})[0] == 400
