@@ -253,7 +253,8 @@ def _make_handler(server: MilesServer):
             rid = body.get("rid")
             if not isinstance(rid, str):
                 raise BadRequest("give 'rid' (a string) or 'abort_all': true")
-            ok = server.engine.call(lambda core: sum(core.abort(r) for r in list(core.requests) if r == rid or r.startswith(rid + "-")))
+            # the request itself, or every sample of the n > 1 group it named (not another request whose id merely starts so)
+            ok = server.engine.call(lambda core: sum(core.abort(r) for r, req in list(core.requests.items()) if rid in (r, req.group_id)))
             self._send(200, {"success": bool(ok)})
 
         def flush_cache(self, body):

@@ -469,3 +469,28 @@ def test_no_stop_trim_keeps_the_matched_stop_in_the_text(client, server):
         events = client.stream("/generate", {"text": "8+9=", "stream": True, "sampling_params": {**sampling, **extra, "no_stop_trim": True}})
         assert events[-1]["text"] == text + tail
     assert client.post("/generate", {"text": "8+9=", "sampling_params": {"no_stop_trim": "yes"}})[0] == 400
+
+
+def test_abort_by_rid_ends_the_group_it_named_and_no_other_request(client, server):
+    """rid "g" with n=2 runs as g-0 and g-1: aborting "g" ends both; a request of its own whose rid is "g-x" runs on."""
+    long = {"max_new_tokens": 3000, "ignore_eos": True}
+    results: dict = {}
+    threads = [threading.Thread(target=lambda rid=rid, n=n: results.setdefault(rid, client.post(
+        "/generate", {"text": "2+", "rid": rid, "sampling_params": {**long, "n": n}}))) for rid, n in (("g", 2), ("g-x", 1))]
+    for t in threads:
+        t.start()
+    core = server.engine.core
+    deadline = time.time() + 30
+    while time.time() < deadline and not all(len(getattr(core.requests.get(r), "output_ids", ())) > 3 for r in ("g-0", "g-1", "g-x")):
+        time.sleep(0.01)
+    other = core.requests["g-x"]
+    status, body = client.post("/abort_request", {"rid": "g"})
+    assert status == 200 and body["success"]
+    for t in threads[:1]:
+        t.join(30)
+    status, outs = results["g"]
+    assert status == 200 and [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort", "abort"]
+    assert other.finish_reason is None  # still running
+    assert client.post("/abort_request", {"rid": "g-x"})[1]["success"]
+    threads[1].join(30)
+    assert results["g-x"][1]["meta_info"]["finish_reason"]["type"] == "abort"

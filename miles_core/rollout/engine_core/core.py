@@ -210,7 +210,8 @@ class EngineCore:
         out: list[Request] = []
         for i, rid in enumerate(rids):
             seed = params.seed + i if params.seed is not None else self.rng.getrandbits(62)
-            req = Request(rid, list(prompt_ids), params, seed, stop_ids, leader=out[0] if out else None)
+            req = Request(rid, list(prompt_ids), params, seed, stop_ids, leader=out[0] if out else None,
+                          group_id=base if n > 1 else None)
             self.requests[rid] = req
             self.scheduler.waiting.append(req)
             out.append(req)

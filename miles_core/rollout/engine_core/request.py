@@ -24,6 +24,7 @@ class Request:
     seed: int  # resolved: the request's own seed, or one drawn from the engine's generator
     stop_ids: frozenset[int]  # token ids that end the request (eos unless ignore_eos, + params.stop_token_ids)
     leader: Request | None = None  # a request of the same group that prefills the shared prompt first
+    group_id: str | None = None  # the id the n > 1 samples of one add_request were made from (ids group_id-0, -1, ...)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
