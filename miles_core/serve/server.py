@@ -32,7 +32,13 @@ from miles_core.serve.protocol import BadRequest, GenerateItem, parse_generate, 
 from miles_core.serve.weight_sync import DistributedReceiver
 
 
+class Abandoned(Exception):
+    """:meth:`MilesServer.wait` gave up on its requests (the client left, a deadline passed) and aborted them."""
+
+
 class MilesServer:
+    health_timeout_s = 20.0  # /health_generate answers 503 when its one-token request has not ended by then (SGLang's 20 s)
+
     def __init__(self, engine: ThreadedEngine, tokenizer, model_path: str, host: str = "127.0.0.1", port: int = 30000,
                  max_request_bytes: int = 64 << 20) -> None:
         self.engine = engine
@@ -92,20 +98,21 @@ class MilesServer:
             raise
         return handles
 
-    def wait(self, handles, gone=None) -> list[tuple[GenerateItem, Request]]:
+    def wait(self, handles, give_up=None) -> list[tuple[GenerateItem, Request]]:
         """Block until every request is finished; (item, request) prompt by prompt, sample by sample.
-        ``gone()``, asked every ``_HANGUP_POLL_S`` seconds meanwhile: True once the client has closed its
-        connection; then every request is aborted (SGLang does so too) and ConnectionResetError raised."""
+        ``give_up()``, asked every ``_POLL_S`` seconds meanwhile: True once the client has closed its connection
+        (SGLang then aborts its requests too) or a deadline has passed; every request is then aborted and
+        :class:`Abandoned` raised."""
         for _it, reqs, sink in handles:
             left = len(reqs)
             while left:
                 try:
-                    left -= sink.get(timeout=_HANGUP_POLL_S if gone else None).finished
+                    left -= sink.get(timeout=_POLL_S if give_up else None).finished
                 except queue.Empty:
-                    if gone():
+                    if give_up():
                         for r in (r for _i, rs, _s in handles for r in rs):
                             self.engine.abort(r.request_id)
-                        raise ConnectionResetError("the client closed the connection") from None
+                        raise Abandoned from None
         return [(it, r) for it, reqs, _ in handles for r in reqs]
 
 
@@ -192,7 +199,7 @@ def _make_handler(server: MilesServer):
                 self._error(exc.status, exc.message)
             except (BadRequest, MilesUserError, ValueError, TypeError, KeyError) as exc:
                 self._error(400, str(exc) or type(exc).__name__)
-            except (BrokenPipeError, ConnectionResetError):
+            except (BrokenPipeError, ConnectionResetError, Abandoned):
                 self.close_connection = True
 
         # ---------------------------------------------------------- SGLang endpoints
@@ -202,7 +209,12 @@ def _make_handler(server: MilesServer):
         def health_generate(self, body):
             ids = server.tokenizer.encode("hi") or [0]
             items = [GenerateItem(ids, SamplingParams(max_new_tokens=1, temperature=0), 1, None, False, 0)]
-            server.wait(server.submit(items))
+            deadline = time.monotonic() + server.health_timeout_s
+            try:  # bounded: a paused or overloaded engine answers 503 instead of holding the probe (and a request) forever
+                server.wait(server.submit(items), lambda: self._gone() or time.monotonic() > deadline)
+            except Abandoned:
+                self._send(503, "")
+                return
             self._send(200, "")
 
         def model_info(self, body):
@@ -356,7 +368,7 @@ def _make_handler(server: MilesServer):
     return Handler
 
 
-_HANGUP_POLL_S = 0.5  # how often a non-streaming request checks that its client is still connected
+_POLL_S = 0.5  # how often a non-streaming request checks that its client is still connected (and its deadline)
 
 
 class _HTTPError(Exception):

@@ -494,3 +494,24 @@ def test_abort_by_rid_ends_the_group_it_named_and_no_other_request(client, serve
     assert client.post("/abort_request", {"rid": "g-x"})[1]["success"]
     threads[1].join(30)
     assert results["g-x"][1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_health_generate_answers_503_when_nothing_can_run(client, server):
+    """Paused, the one-token probe cannot run: 503 once server.health_timeout_s has passed (SGLang answers 503 after
+    its 20 s), and the probe's request is aborted rather than left in the queue; after continue, 200."""
+    core = server.engine.core
+    server.health_timeout_s = 1.0
+    try:
+        assert client.post("/pause_generation", {"mode": "in_place"})[0] == 200
+        t0 = time.perf_counter()
+        status, _ = client.request("GET", "/health_generate")
+        waited = time.perf_counter() - t0
+        assert status == 503 and 1.0 <= waited < 5.0
+        deadline = time.time() + 10
+        while time.time() < deadline and core.requests:
+            time.sleep(0.01)
+        assert core.requests == {}  # the probe did not stay queued behind the pause
+    finally:
+        del server.health_timeout_s
+        assert client.post("/continue_generation", {})[0] == 200
+    assert client.request("GET", "/health_generate")[0] == 200
