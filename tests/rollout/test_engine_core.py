@@ -478,3 +478,25 @@ def test_a_decode_window_takes_no_pages_past_a_request_s_final_length():
     drain(core)
     # the first window runs 8 steps for b; a ends at 7 tokens and only ever needs the K/V of 6: 2 pages, not 3
     assert held[0] == [2, 3]
+
+
+def test_stop_strings_are_checked_on_the_output_s_tail_only():
+    """A stop string is found however far into the output it comes, and each check decodes a bounded tail of the
+    output (4 tokens per stop character + 8), not all of it: a long response's checks stay linear in its length."""
+    ref = alone(P1, SamplingParams(max_new_tokens=120, temperature=0, ignore_eos=True)).output_ids
+    text = "".join(chr(97 + t % 26) for t in ref)
+    decoded: list[int] = []
+
+    def detok(ids):
+        decoded.append(len(ids))
+        return "".join(chr(97 + t % 26) for t in ids)
+
+    target = text[100:103]
+    first = text.index(target)
+    core = EngineCore(tiny(), EngineConfig(block_size=4, decode_steps=4), detokenize=detok)
+    (s,) = core.add_request(P1, SamplingParams(max_new_tokens=120, temperature=0, ignore_eos=True, stop=[target, "#"]))
+    (never,) = core.add_request(P1, SamplingParams(max_new_tokens=120, temperature=0, ignore_eos=True, stop=["a#b"]))
+    drain(core)
+    assert s.finish_reason == "stop" and s.matched_stop == target and s.output_ids == ref[: first + 3]
+    assert never.finish_reason == "length" and never.output_ids == ref
+    assert max(decoded) == 4 * 3 + 8 and len(decoded) == first + 3 + 120

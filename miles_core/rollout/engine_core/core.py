@@ -522,9 +522,12 @@ class EngineCore:
                 take, reason = i + 1, "length"
                 break
         if params.stop and self.detokenize is not None:
-            base = len(req.output_ids)
+            ids, base = req.output_ids + toks[:take], len(req.output_ids)
+            # A stop string first seen at token i ends inside that token's text, so the last `tail` tokens (at least a
+            # byte each, a character at most 4) hold it whole: decode those, not the whole output (quadratic in length)
+            tail = 4 * max(map(len, params.stop)) + 8
             for i in range(take):
-                text = self.detokenize((req.output_ids + toks[: i + 1])[-(base + i + 1) :])
+                text = self.detokenize(ids[max(0, base + i + 1 - tail) : base + i + 1])
                 hit = next((s for s in params.stop if s in text), None)
                 if hit is not None:
                     take, reason, matched = i + 1, "stop", hit
