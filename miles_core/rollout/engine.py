@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from miles_core.data.tokenizer import Tokenizer
+from miles_core.errors import DataError
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engine_core.config import EngineConfig
 from miles_core.rollout.engine_core.core import EngineCore
@@ -109,7 +110,12 @@ class BuiltinEngine:
         for p in prompts:
             ids = p.prompt_ids or tok.encode(p.text)
             seed = p.metadata.get("sampling_seed")  # deterministic mode (miles_core.orchestration.seeds)
-            groups.append(self.core.add_request(ids, params if seed is None else dataclasses.replace(params, seed=seed), n=n))
+            try:
+                groups.append(self.core.add_request(ids, params if seed is None else dataclasses.replace(params, seed=seed), n=n))
+            except DataError as exc:  # refused (too long for the engine, say): none of the batch runs, the prompt is named
+                for r in (r for g in groups for r in g):
+                    self.core.abort(r.request_id)
+                raise DataError(f"rollout prompt {p.text[:60]!r}{'...' if len(p.text) > 60 else ''}: {exc}") from None
         mode = self.precision.kernel_mode(self.device) if self.precision is not None else contextlib.nullcontext()
         self._abort_requested = False
         with mode:

@@ -90,3 +90,21 @@ def test_rollout_settings_reach_the_engine_config():
     assert (e.cpu_kernels, e.decode_steps) == ("torch", 8)
     with pytest.raises(ConfigError, match="rollout.cpu_kernels"):
         RolloutConfig(cpu_kernels="c").validate()
+
+
+def test_a_refused_prompt_names_itself_and_leaves_none_of_its_batch_queued():
+    import pytest
+
+    from miles_core.errors import DataError
+    from miles_core.rollout.engine_core.config import EngineConfig
+
+    tok = CharTokenizer()
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64))
+    eng = BuiltinEngine(model, tok, torch.device("cpu"), seed=1, config=EngineConfig(max_model_len=16))
+    long = "1+" * 10 + "="
+    with pytest.raises(DataError, match=r"rollout prompt '1\+1\+.*: the prompt has 21 tokens; the engine's max_model_len is 16"):
+        eng.generate([Prompt(text="1+2="), Prompt(text=long)], SamplingParams(max_new_tokens=4), n=2)
+    assert not eng.core.has_unfinished()  # the first prompt's samples were not left to run with the next batch
+    samples = eng.generate([Prompt(text="3+4=")], SamplingParams(max_new_tokens=4), n=2)
+    assert [s.prompt for s in samples] == ["3+4=", "3+4="] and eng.core.requests == {}
