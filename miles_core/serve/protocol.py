@@ -7,7 +7,8 @@ Field names follow SGLang's ``GenerateReqInput`` and ``SamplingParams`` (``text`
 as ``{"type": "stop"|"length"|"abort", ...}``, ``prompt_tokens``, ``completion_tokens``,
 ``cached_tokens``, ``output_token_logprobs`` as ``[logprob, token_id, None]`` triples,
 ``output_top_logprobs``, ``weight_version``). Unknown sampling fields are rejected, so a typo is a 400
-rather than a silently ignored knob.
+rather than a silently ignored knob; so is ``logprob_start_len`` >= 0 (the prompt's own token logprobs, not
+computed here). Other top-level fields of SGLang's (``image_data``, ``lora_path``, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -124,6 +125,10 @@ def parse_generate(body: Any, encode) -> tuple[list[GenerateItem], bool, bool]:
     rids = _listify(body.get("rid"), k, "rid")
     lps = _listify(body.get("return_logprob", False), k, "return_logprob")
     tops = _listify(body.get("top_logprobs_num", 0) or 0, k, "top_logprobs_num")
+    starts = _listify(body.get("logprob_start_len"), k, "logprob_start_len")
+    if any(s is not None and s != -1 for s in starts):  # -1 / absent: SGLang's "no input token logprobs"
+        raise BadRequest("logprob_start_len: the prompt's token logprobs (input_token_logprobs) are not served here; "
+                         "give -1 or leave it out (output token logprobs come with return_logprob)")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false")

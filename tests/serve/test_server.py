@@ -148,6 +148,7 @@ def test_malformed_and_oversized_requests(client, server):
         (b'{"text": "a", "sampling_params": {"stop": ["x", ""]}}', "stop must be a string or a list of non-empty strings"),
         (b'{"text": "a", "sampling_params": {"stop_token_ids": [true]}}', "stop_token_ids must be a list of integers"),
         (b'{"text": "a", "sampling_params": {"sampling_seed": "7"}}', "sampling_seed must be an integer"),
+        (b'{"text": "a", "return_logprob": true, "logprob_start_len": 0}', "input_token_logprobs) are not served"),
     ]
     for raw, reason in bad:
         status, body = client.post("/generate", raw=raw)
@@ -161,6 +162,10 @@ def test_malformed_and_oversized_requests(client, server):
     status, body = client.post("/generate", raw=at_limit + b" ")
     assert status == 413 and f"{server.max_request_bytes + 1} bytes exceeds" in body["error"]["message"]
     assert client.post("/abort_request", {"rid": 5})[0] == 400
+    # SGLang's "no input token logprobs" (-1, or absent) is served
+    ok = {"text": "1+1=", "return_logprob": True, "sampling_params": {"max_new_tokens": 2}}
+    assert client.post("/generate", {**ok, "logprob_start_len": -1})[0] == 200
+    assert client.post("/generate", {**ok, "input_ids": [[3, 4], [5]], "text": None, "logprob_start_len": [-1, None]})[0] == 200
     # nested deeper than the JSON parser's recursion limit, yet within the size bound
     status, body = client.post("/generate", raw=b"[" * 60000)
     assert status == 400 and "nested too deeply" in body["error"]["message"]
