@@ -159,6 +159,12 @@ def check_algorithm(cfg: MilesConfig, estimator=None) -> None:
         if a.dynamic_sampling:
             raise ConfigError("algorithm.dynamic_sampling drops groups whose rewards are all equal, which a group of one "
                               f"always is: it needs rollout.n_samples_per_prompt >= 2, got {r.n_samples_per_prompt}")
+    if cfg.run.mode != "sft" and r.temperature == 0 and r.backend in ("builtin", "sglang") and getattr(estimator, "needs_groups", False):
+        # greedy samples of one prompt are one sample n times (a plugin's backend, an agent's say, may still vary them)
+        raise ConfigError(
+            f"algorithm.advantage_estimator={a.advantage_estimator} compares the samples of a prompt with each other, and "
+            f"rollout.temperature=0 makes them identical (every advantage 0): sample with rollout.temperature > 0"
+        )
     if a.dynamic_sampling and cfg.orchestration.schedule == "async":  # here, not when the loop makes the schedule (after the warm-up)
         raise ConfigError("orchestration.schedule=async does not support algorithm.dynamic_sampling yet")
     if a.overlong_buffer >= r.max_response_len:

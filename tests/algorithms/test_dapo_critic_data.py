@@ -202,6 +202,10 @@ def test_group_baselines_refuse_one_sample_per_prompt(tmp_path, estimator):
     with pytest.raises(ConfigError, match=rf"advantage_estimator={estimator} .* rollout\.n_samples_per_prompt >= 2, got 1"):
         check_algorithm(cfg, fn)
     check_algorithm(load_config(None, [f"algorithm.advantage_estimator={estimator}", "rollout.n_samples_per_prompt=2"]), fn)
+    greedy = [f"algorithm.advantage_estimator={estimator}", "rollout.n_samples_per_prompt=4", "rollout.temperature=0"]
+    with pytest.raises(ConfigError, match=rf"advantage_estimator={estimator} .* rollout\.temperature=0 makes them identical"):
+        check_algorithm(load_config(None, greedy), fn)  # the same sample 4 times: every advantage 0
+    check_algorithm(load_config(None, [*greedy, "run.mode=sft"]), fn)  # SFT samples nothing
     for other in ("reinforce_plus_plus", "ppo"):  # a batch-wide baseline or a critic: one sample is fine
         check_algorithm(load_config(None, [f"algorithm.advantage_estimator={other}", "rollout.n_samples_per_prompt=1"]),
                         MilesPlugins(autoload=False).registries.advantage_estimators.get(other))
