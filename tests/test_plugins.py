@@ -113,3 +113,21 @@ def test_autoload_can_be_disabled(monkeypatch):
     monkeypatch.setenv("MILES_DISABLE_PLUGIN_AUTOLOAD", "1")
     pm = MilesPlugins()
     assert pm.plugin_names() == [n for n, _ in BUILTIN_PLUGINS]
+
+
+def _registries_error(plugin) -> str:
+    pm = MilesPlugins(autoload=False, extra_plugins=[("bad-plugin", plugin)])
+    with pytest.raises(PluginError) as exc:
+        pm.registries
+    return str(exc.value)
+
+
+def test_registration_hook_that_raises_names_the_plugin():
+    class Raises:
+        @hookimpl
+        def miles_register_rewards(self, registry):
+            raise RuntimeError("no config file")
+
+    msg = _registries_error(Raises())
+    assert "bad-plugin" in msg and "miles_register_rewards" in msg and "RuntimeError: no config file" in msg
+

@@ -146,7 +146,14 @@ class MilesPlugins:
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
                 registry._bind(impl.plugin_name)
                 others = [self.pm.get_plugin(n) for n in names if n != impl.plugin_name]
-                self.pm.subset_hook_caller(hook_name, remove_plugins=others)(registry=registry)
+                try:
+                    self.pm.subset_hook_caller(hook_name, remove_plugins=others)(registry=registry)
+                except PluginError:
+                    raise
+                except Exception as exc:  # a broken plugin must say which one it is, like a failed import
+                    raise PluginError(
+                        f"plugin '{impl.plugin_name}' raised {type(exc).__name__}: {exc} (in {hook_name})"
+                    ) from exc
             registry._bind("<unknown>")
         return regs
 
