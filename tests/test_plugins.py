@@ -131,3 +131,39 @@ def test_registration_hook_that_raises_names_the_plugin():
     msg = _registries_error(Raises())
     assert "bad-plugin" in msg and "miles_register_rewards" in msg and "RuntimeError: no config file" in msg
 
+
+def test_registered_component_of_the_wrong_kind_names_the_plugin():
+    class NotCallable:
+        @hookimpl
+        def miles_register_advantage_estimators(self, registry):
+            registry.add("three", 3.0)
+
+    class WrongArity:  # a weight transport factory takes the RunContext
+        @hookimpl
+        def miles_register_weight_transports(self, registry):
+            registry.add("mine", lambda: None)
+
+    class NotARecipe:
+        @hookimpl
+        def miles_register_precision_recipes(self, registry):
+            registry.add("half", "float16")
+
+    msg = _registries_error(NotCallable())
+    assert "bad-plugin" in msg and "advantage estimator 'three'" in msg and "not callable" in msg
+    msg = _registries_error(WrongArity())
+    assert "bad-plugin" in msg and "weight transport 'mine'" in msg and "signature" in msg
+    msg = _registries_error(NotARecipe())
+    assert "bad-plugin" in msg and "precision recipe 'half'" in msg and "PrecisionRecipe" in msg
+
+
+def test_reward_names_that_reward_name_cannot_select_are_refused():
+    # reward.name=task is the task's verifier and reward.name=a:b is a module path: a plugin's reward
+    # under such a name would never run (the run silently used another reward)
+    for name in ("task", "my:reward"):
+        class Named:
+            @hookimpl
+            def miles_register_rewards(self, registry, name=name):
+                registry.add(name, lambda sample: 1.0)
+
+        msg = _registries_error(Named())
+        assert "bad-plugin" in msg and f"'{name}'" in msg

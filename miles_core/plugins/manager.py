@@ -21,25 +21,37 @@ import pluggy
 
 from miles_core import hookspecs
 from miles_core.errors import PluginError
+from miles_core.kernels.base import KernelImpl
+from miles_core.models.base import ModelFamily
+from miles_core.platforms import Platform
 from miles_core.plugins.builtin import BUILTIN_PLUGINS
 from miles_core.plugins.registry import Registry
+from miles_core.precision.base import PrecisionRecipe
+
+
+def _reward_name(name: str) -> str | None:
+    if name == "task":
+        return "reward.name=task is the task's own verifier"
+    if ":" in name:
+        return "reward.name=module:function imports a function"
+    return None
 
 
 @dataclass
 class Registries:
     """One registry per kind of component; field name = hook suffix (miles_register_<field>)."""
 
-    tasks: Registry = field(default_factory=lambda: Registry("task"))
-    rewards: Registry = field(default_factory=lambda: Registry("reward"))
-    rollout_backends: Registry = field(default_factory=lambda: Registry("rollout backend"))
-    trainers: Registry = field(default_factory=lambda: Registry("trainer"))
-    advantage_estimators: Registry = field(default_factory=lambda: Registry("advantage estimator"))
-    policy_losses: Registry = field(default_factory=lambda: Registry("policy loss"))
-    weight_transports: Registry = field(default_factory=lambda: Registry("weight transport"))
-    precision_recipes: Registry = field(default_factory=lambda: Registry("precision recipe"))
-    kernels: Registry = field(default_factory=lambda: Registry("kernel"))
-    platforms: Registry = field(default_factory=lambda: Registry("platform"))
-    model_families: Registry = field(default_factory=lambda: Registry("model family"))
+    tasks: Registry = field(default_factory=lambda: Registry("task", arity=1))
+    rewards: Registry = field(default_factory=lambda: Registry("reward", arity=1, name_check=_reward_name))
+    rollout_backends: Registry = field(default_factory=lambda: Registry("rollout backend", arity=2))
+    trainers: Registry = field(default_factory=lambda: Registry("trainer", arity=2))
+    advantage_estimators: Registry = field(default_factory=lambda: Registry("advantage estimator", arity=2))
+    policy_losses: Registry = field(default_factory=lambda: Registry("policy loss", arity=2))
+    weight_transports: Registry = field(default_factory=lambda: Registry("weight transport", arity=1))
+    precision_recipes: Registry = field(default_factory=lambda: Registry("precision recipe", type_=PrecisionRecipe))
+    kernels: Registry = field(default_factory=lambda: Registry("kernel", type_=KernelImpl))
+    platforms: Registry = field(default_factory=lambda: Registry("platform", type_=Platform))
+    model_families: Registry = field(default_factory=lambda: Registry("model family", type_=ModelFamily))
 
     def items(self) -> Iterable[tuple[str, Registry]]:
         for f in fields(self):

@@ -7,7 +7,8 @@ that a clash names both plugins and ``miles plugins`` can show what each one reg
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import inspect
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -24,10 +25,26 @@ class Entry(Generic[T]):
 
 
 class Registry(Generic[T]):
-    """Name -> component, for one kind of component (e.g. "advantage estimator")."""
+    """Name -> component, for one kind of component (e.g. "advantage estimator").
 
-    def __init__(self, kind: str) -> None:
+    What ``add`` accepts, so that a wrong component is refused where it is registered, naming the plugin
+    (not when a run first calls it): ``arity``, a callable that takes that many positional arguments;
+    ``type_``, an instance of that type; ``name_check(name)``, why the config could never select ``name``
+    (or None).
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        *,
+        arity: int | None = None,
+        type_: type | None = None,
+        name_check: Callable[[str], str | None] | None = None,
+    ) -> None:
         self.kind = kind
+        self.arity = arity
+        self.type_ = type_
+        self.name_check = name_check
         self._entries: dict[str, Entry[T]] = {}
         self._current_plugin = "<unknown>"
 
@@ -38,6 +55,7 @@ class Registry(Generic[T]):
     def add(self, name: str, value: T) -> None:
         if not isinstance(name, str) or not name:
             raise PluginError(f"plugin '{self._current_plugin}' registered a {self.kind} with an empty or non-string name")
+        self._check(name, value)
         if name in self._entries:
             first = self._entries[name].plugin
             raise PluginError(
@@ -45,6 +63,30 @@ class Registry(Generic[T]):
                 f"'{self._current_plugin}'; block one of them with -p no:NAME"
             )
         self._entries[name] = Entry(name, value, self._current_plugin)
+
+    def _check(self, name: str, value: object) -> None:
+        what = f"plugin '{self._current_plugin}' registered the {self.kind} '{name}'"
+        why = self.name_check(name) if self.name_check else None
+        if why:
+            raise PluginError(f"{what}, a name the config cannot select ({why}); register it under another name")
+        if self.type_ is not None and not isinstance(value, self.type_):
+            expected = f"{self.type_.__module__}.{self.type_.__qualname__}"
+            raise PluginError(f"{what} as a {type(value).__name__}; a {self.kind} is a {expected}")
+        if self.arity is None:
+            return
+        if not callable(value):
+            raise PluginError(f"{what} as a {type(value).__name__}, which is not callable")
+        try:
+            sig = inspect.signature(value)
+        except (TypeError, ValueError):  # a builtin or C function: nothing to check
+            return
+        try:
+            sig.bind(*[None] * self.arity)
+        except TypeError:
+            raise PluginError(
+                f"{what} with the signature {sig}; it is called with {self.arity} positional argument(s) "
+                "(see the hook's docstring in miles_core.hookspecs)"
+            ) from None
 
     def get(self, name: str, *, key: str | None = None) -> T:
         """The component called ``name``; ``key`` is the config key that asked for it, for the error."""
