@@ -167,3 +167,77 @@ def test_reward_names_that_reward_name_cannot_select_are_refused():
 
         msg = _registries_error(Named())
         assert "bad-plugin" in msg and f"'{name}'" in msg
+
+
+def _built(tmp_path, plugin, *overrides):
+    from miles_core.orchestration.build import build
+    from miles_core.testing.contracts import tiny_config
+
+    pm = MilesPlugins(autoload=False, extra_plugins=[("my-algo", plugin)])
+    return build(tiny_config(tmp_path, *overrides), pm, None)
+
+
+def _loss_inputs():
+    import torch
+
+    from miles_core.types import LossInputs
+
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    return LossInputs(torch.full((2, 3), -1.0, requires_grad=True), torch.full((2, 3), -1.1), torch.ones(2, 3) * mask, mask)
+
+
+def test_policy_loss_gets_cfg_by_position_as_documented(tmp_path):
+    # the hookspec documents fn(inputs, cfg); a loss whose second parameter has another name ran in the
+    # contract check (which passes it by position) and then failed in the run (which passed cfg=)
+    from miles_core.types import LossOutput
+
+    class Loss:
+        @hookimpl
+        def miles_register_policy_losses(self, registry):
+            registry.add("pg", lambda inputs, config: LossOutput(-inputs.advantages * inputs.logprobs, {"n": 1.0}))
+
+    c = _built(tmp_path, Loss(), "algorithm.policy_loss=pg")
+    assert c.policy_loss(_loss_inputs()).metrics == {"n": 1.0}
+
+
+def test_estimator_and_loss_that_return_the_wrong_thing_name_the_plugin(tmp_path):
+    import torch
+
+    from miles_core.types import AdvantageInputs, AdvantageOutputs, LossOutput
+
+    class Algo:
+        @hookimpl
+        def miles_register_advantage_estimators(self, registry):
+            registry.add("bare_tensor", lambda inputs, cfg: inputs.rewards[:, None] * inputs.response_mask)
+            registry.add("per_sample", lambda inputs, cfg: AdvantageOutputs(inputs.rewards))
+
+        @hookimpl
+        def miles_register_policy_losses(self, registry):
+            registry.add("bare_tensor", lambda inputs, cfg: -inputs.advantages * inputs.logprobs)
+            registry.add("tensor_metric", lambda inputs, cfg: LossOutput(-inputs.logprobs, {"m": inputs.logprobs.mean()}))
+
+    mask = torch.ones(2, 3)
+    adv_inputs = AdvantageInputs(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), mask)
+    for name, what in [("bare_tensor", "Tensor"), ("per_sample", "shape")]:
+        c = _built(tmp_path, Algo(), f"algorithm.advantage_estimator={name}")
+        with pytest.raises(PluginError) as exc:
+            c.advantage_estimator(adv_inputs, c.ctx.config.algorithm)
+        assert f"advantage estimator '{name}'" in str(exc.value) and "my-algo" in str(exc.value) and what in str(exc.value)
+    for name, what in [("bare_tensor", "Tensor"), ("tensor_metric", "'m'")]:
+        c = _built(tmp_path, Algo(), f"algorithm.policy_loss={name}")
+        with pytest.raises(PluginError) as exc:
+            c.policy_loss(_loss_inputs())
+        assert f"policy loss '{name}'" in str(exc.value) and "my-algo" in str(exc.value) and what in str(exc.value)
+
+
+def test_kernel_select_must_choose_among_the_candidates():
+    from miles_core.kernels.base import Kernels
+
+    class Chooser:
+        @hookimpl
+        def miles_kernel_select(self, op, platform, candidates):
+            return lambda *a, **k: None  # a function, not one of the candidates
+
+    with pytest.raises(PluginError, match="miles_kernel_select.*'logprobs'.*chooser"):
+        Kernels(MilesPlugins(autoload=False, extra_plugins=[("chooser", Chooser())]), "cpu")
+

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from miles_core.config.schema import MilesConfig
 from miles_core.context import RunContext
 from miles_core.data.base import Task
 from miles_core.data.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer, HFTokenizer, load_tokenizer
-from miles_core.errors import ConfigError
+from miles_core.errors import ConfigError, PluginError
 from miles_core.kernels.base import Kernels
 from miles_core.models.base import ModelFamily
 from miles_core.models.checkpoint import load_hf_folder
@@ -29,6 +30,7 @@ from miles_core.platforms import select_platform
 from miles_core.plugins.manager import MilesPlugins
 from miles_core.rewards.custom import check_reward_fn, load_reward_path
 from miles_core.rewards.base import RewardFn
+from miles_core.types import AdvantageInputs, AdvantageOutputs, LossInputs, LossOutput
 
 
 @dataclass
@@ -136,14 +138,43 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
         model=model,
         reward_fn=reward_fn,
         reward_name=reward_name,
-        advantage_estimator=estimator,
-        policy_loss=functools.partial(loss, cfg=algo),
-        sft_loss=None if sft is None else functools.partial(sft, cfg=algo),
+        advantage_estimator=functools.partial(checked_estimator, estimator, _component(regs.advantage_estimators, algo.advantage_estimator)),
+        policy_loss=functools.partial(checked_loss, loss, algo, _component(regs.policy_losses, algo.policy_loss)),
+        sft_loss=None if sft is None else functools.partial(checked_loss, sft, algo, _component(regs.policy_losses, "sft")),
         backend_factory=regs.rollout_backends.get(cfg.rollout.backend, key="rollout.backend"),
         trainer_factory=regs.trainers.get(cfg.train.backend, key="train.backend"),
         transport=regs.weight_transports.get(cfg.sync.transport, key="sync.transport")(ctx),
         teacher=teacher,
     )
+
+
+def _component(registry, name: str) -> str:
+    return f"{registry.kind} '{name}' (plugin '{registry.entry(name).plugin}')"
+
+
+def checked_estimator(fn, what: str, inputs: AdvantageInputs, cfg) -> AdvantageOutputs:
+    """``fn(inputs, cfg)``, refused with one line naming ``what`` unless it returns AdvantageOutputs of [N, T]."""
+    out = fn(inputs, cfg)
+    adv = getattr(out, "advantages", None) if isinstance(out, AdvantageOutputs) else None
+    if not isinstance(adv, torch.Tensor):
+        raise PluginError(f"{what} returned a {type(out).__name__}; an estimator returns miles_core.types.AdvantageOutputs")
+    if adv.shape != inputs.response_mask.shape:
+        raise PluginError(f"{what} returned advantages of shape {tuple(adv.shape)}; expected [N, T] = {tuple(inputs.response_mask.shape)}")
+    return out
+
+
+def checked_loss(fn, cfg, what: str, inputs: LossInputs) -> LossOutput:
+    """``fn(inputs, cfg)`` (cfg by position, as the hookspec documents), refused with one line naming ``what``
+    unless it returns a LossOutput with a per-token [N, T] loss and float metrics."""
+    out = fn(inputs, cfg)
+    if not isinstance(out, LossOutput) or not isinstance(out.loss, torch.Tensor):
+        raise PluginError(f"{what} returned a {type(out).__name__}; a policy loss returns miles_core.types.LossOutput")
+    if out.loss.shape != inputs.response_mask.shape:
+        raise PluginError(f"{what} returned a loss of shape {tuple(out.loss.shape)}; expected per-token [N, T] = {tuple(inputs.response_mask.shape)}")
+    for k, v in out.metrics.items():
+        if not isinstance(v, numbers.Real):
+            raise PluginError(f"{what} returned the metric '{k}' as a {type(v).__name__}; LossOutput.metrics holds floats (float(x))")
+    return out
 
 
 def check_algorithm(cfg: MilesConfig, estimator=None) -> None:
