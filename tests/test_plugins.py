@@ -241,3 +241,20 @@ def test_kernel_select_must_choose_among_the_candidates():
     with pytest.raises(PluginError, match="miles_kernel_select.*'logprobs'.*chooser"):
         Kernels(MilesPlugins(autoload=False, extra_plugins=[("chooser", Chooser())]), "cpu")
 
+
+def test_lifecycle_hook_that_raises_names_the_plugin():
+    class Quiet:
+        @hookimpl
+        def miles_after_weight_sync(self, ctx, version):
+            pass
+
+    class Broken:
+        @hookimpl
+        def miles_after_weight_sync(self, ctx, version):
+            raise KeyError("wandb_run")
+
+    pm = MilesPlugins(autoload=False, extra_plugins=[("broken", Broken()), ("quiet", Quiet())])
+    with pytest.raises(PluginError) as exc:
+        pm.after_weight_sync(None, 3)
+    assert "plugin 'broken'" in str(exc.value) and "miles_after_weight_sync" in str(exc.value)
+    assert "KeyError" in str(exc.value) and "wandb_run" in str(exc.value)

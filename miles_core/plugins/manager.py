@@ -20,7 +20,7 @@ from typing import Any
 import pluggy
 
 from miles_core import hookspecs
-from miles_core.errors import PluginError
+from miles_core.errors import MilesUserError, PluginError
 from miles_core.kernels.base import KernelImpl
 from miles_core.models.base import ModelFamily
 from miles_core.platforms import Platform
@@ -185,20 +185,41 @@ class MilesPlugins:
         return out
 
     # ------------------------------------------------------------------ typed hook calls
+    def _call(self, hook_name: str, **kwargs: Any) -> Any:
+        """Call a hook; an exception from a plugin's implementation becomes a PluginError naming the plugin."""
+        caller = getattr(self.pm.hook, hook_name)
+        try:
+            return caller(**kwargs)
+        except MilesUserError:
+            raise
+        except Exception as exc:
+            raise PluginError(f"plugin '{_raiser(caller, exc)}' raised {type(exc).__name__}: {exc} (in {hook_name})") from exc
+
     def kernel_select(self, op: str, platform: str, candidates: list) -> Any:
-        return self.pm.hook.miles_kernel_select(op=op, platform=platform, candidates=candidates)
+        return self._call("miles_kernel_select", op=op, platform=platform, candidates=candidates)
 
     def run_start(self, ctx: Any) -> None:
-        self.pm.hook.miles_run_start(ctx=ctx)
+        self._call("miles_run_start", ctx=ctx)
 
     def after_rollout(self, ctx: Any, step: int, samples: list) -> None:
-        self.pm.hook.miles_after_rollout(ctx=ctx, step=step, samples=samples)
+        self._call("miles_after_rollout", ctx=ctx, step=step, samples=samples)
 
     def after_train_step(self, ctx: Any, step: int, metrics: dict) -> None:
-        self.pm.hook.miles_after_train_step(ctx=ctx, step=step, metrics=metrics)
+        self._call("miles_after_train_step", ctx=ctx, step=step, metrics=metrics)
 
     def after_weight_sync(self, ctx: Any, version: int) -> None:
-        self.pm.hook.miles_after_weight_sync(ctx=ctx, version=version)
+        self._call("miles_after_weight_sync", ctx=ctx, version=version)
 
     def run_end(self, ctx: Any, summary: dict) -> None:
-        self.pm.hook.miles_run_end(ctx=ctx, summary=summary)
+        self._call("miles_run_end", ctx=ctx, summary=summary)
+
+
+def _raiser(caller: Any, exc: BaseException) -> str:
+    """The plugin whose implementation of ``caller``'s hook raised ``exc``: the outermost of its frames in the traceback."""
+    codes = {getattr(impl.function, "__code__", None): impl.plugin_name for impl in caller.get_hookimpls()}
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in codes:
+            return codes[tb.tb_frame.f_code]
+        tb = tb.tb_next
+    return " or ".join(impl.plugin_name for impl in caller.get_hookimpls()) or "?"
