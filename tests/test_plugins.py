@@ -258,3 +258,40 @@ def test_lifecycle_hook_that_raises_names_the_plugin():
         pm.after_weight_sync(None, 3)
     assert "plugin 'broken'" in str(exc.value) and "miles_after_weight_sync" in str(exc.value)
     assert "KeyError" in str(exc.value) and "wandb_run" in str(exc.value)
+
+
+def _fake_dist(site, dist: str, entry_points: dict[str, str]) -> None:
+    """An installed distribution (dist-info only) whose [miles] entry points name modules written beside it."""
+    info = site / f"{dist}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[miles]\n" + "".join(f"{k} = {v}\n" for k, v in entry_points.items()))
+    for module in entry_points.values():
+        (site / f"{module}.py").write_text("")
+
+
+def test_two_packages_with_one_plugin_name_is_an_error(tmp_path, monkeypatch):
+    # the second package's plugin was skipped without a word (only the first one's hooks ran)
+    _fake_dist(tmp_path, "hunt_first", {"scorer": "hunt_first_mod"})
+    _fake_dist(tmp_path, "hunt_second", {"scorer": "hunt_second_mod"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError) as exc:
+        MilesPlugins(autoload=True)
+    msg = str(exc.value)
+    assert "'scorer'" in msg and "hunt_first" in msg and "hunt_second" in msg
+
+
+def test_package_plugin_named_like_a_builtin_is_an_error(tmp_path, monkeypatch):
+    _fake_dist(tmp_path, "hunt_impostor", {"miles.rewards": "hunt_impostor_mod"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError, match="'miles.rewards'.*built-in.*hunt_impostor"):
+        MilesPlugins(autoload=True)
+
+
+def test_blocking_a_name_no_plugin_has_is_an_error(tmp_path, monkeypatch):
+    # -p no:miles.reward (a typo) blocked nothing and the run went on with the plugin it meant to block
+    with pytest.raises(PluginError, match="no:miles.reward\\b.*did you mean 'miles.rewards'"):
+        MilesPlugins(blocked=["miles.reward"], autoload=False)
+    _fake_dist(tmp_path, "hunt_blockme", {"blockme": "hunt_blockme_mod"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "blockme" not in MilesPlugins(blocked=["blockme"]).plugin_names()  # an installed plugin's name is known

@@ -20,7 +20,7 @@ from typing import Any
 import pluggy
 
 from miles_core import hookspecs
-from miles_core.errors import MilesUserError, PluginError
+from miles_core.errors import MilesUserError, PluginError, did_you_mean
 from miles_core.kernels.base import KernelImpl
 from miles_core.models.base import ModelFamily
 from miles_core.platforms import Platform
@@ -105,9 +105,11 @@ class MilesPlugins:
         autoload = (not _env_flag("MILES_DISABLE_PLUGIN_AUTOLOAD")) if autoload is None else autoload
         if autoload:
             self._load_entry_points()
+        extra_plugins = list(extra_plugins)
         for name, plugin in extra_plugins:
             self.register(plugin, name)
         self._check()
+        self._check_blocked([name for name, _ in BUILTIN_PLUGINS] + [name for name, _ in extra_plugins])
 
     # ------------------------------------------------------------------ loading
     def _load_builtins(self) -> None:
@@ -121,9 +123,18 @@ class MilesPlugins:
             self._builtin.add(name)
 
     def _load_entry_points(self) -> None:
+        packages: dict[str, str] = {}  # plugin name -> the package that named it
         for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT):
-            if self.pm.is_blocked(ep.name) or self.pm.get_plugin(ep.name) is not None:
+            package = ep.dist.name if ep.dist is not None else ep.value
+            if self.pm.is_blocked(ep.name):
                 continue
+            if self.pm.has_plugin(ep.name):  # pluggy would refuse the name: say who holds it
+                first = "a built-in plugin" if ep.name in self._builtin else f"package '{packages.get(ep.name, '?')}'"
+                raise PluginError(
+                    f"two plugins are named '{ep.name}': {first} and package '{package}' ({ep.value}); "
+                    "uninstall one of them or rename its [project.entry-points.miles] entry"
+                )
+            packages[ep.name] = package
             try:
                 plugin = ep.load()
             except Exception as exc:  # a broken third-party package must say which one it is
@@ -139,6 +150,13 @@ class MilesPlugins:
             raise PluginError(f"cannot register plugin '{name}': {exc}") from exc
         except pluggy.PluginValidationError as exc:
             raise PluginError(f"plugin '{name}' is invalid: {exc}") from exc
+
+    def _check_blocked(self, known: list[str]) -> None:
+        """``-p no:NAME`` must name a plugin: a typo would block nothing, silently."""
+        known = known + [ep.name for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT)]
+        for name in self.blocked:
+            if name not in known:
+                raise PluginError(f"-p no:{name}: no plugin is named '{name}'{did_you_mean(name, known)}")
 
     def _check(self) -> None:
         try:
