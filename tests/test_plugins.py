@@ -295,3 +295,24 @@ def test_blocking_a_name_no_plugin_has_is_an_error(tmp_path, monkeypatch):
     _fake_dist(tmp_path, "hunt_blockme", {"blockme": "hunt_blockme_mod"})
     monkeypatch.syspath_prepend(str(tmp_path))
     assert "blockme" not in MilesPlugins(blocked=["blockme"]).plugin_names()  # an installed plugin's name is known
+
+
+def test_invalid_hookimpl_is_one_line_naming_the_plugin_and_argument():
+    class WrongArg:
+        @hookimpl
+        def miles_register_rewards(self, reg):
+            pass
+
+    with pytest.raises(PluginError) as exc:
+        MilesPlugins(autoload=False, extra_plugins=[("wrong-arg", WrongArg())])
+    assert "wrong-arg" in str(exc.value) and "'reg'" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_hook_function_without_the_marker_is_an_error():
+    # pluggy ignores a function that is not marked @hookimpl: the plugin loaded and registered nothing
+    class Unmarked:
+        def miles_register_rewards(self, registry):
+            registry.add("unmarked", lambda sample: 1.0)
+
+    with pytest.raises(PluginError, match="unmarked-plugin.*miles_register_rewards.*@hookimpl"):
+        MilesPlugins(autoload=False, extra_plugins=[("unmarked-plugin", Unmarked())])

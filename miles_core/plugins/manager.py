@@ -76,6 +76,14 @@ class PluginInfo:
         }
 
 
+_HOOK_NAMES = tuple(n for n in vars(hookspecs.MilesSpecs) if n.startswith("miles_"))
+
+
+def _one_line(exc: BaseException) -> str:
+    """pluggy's messages span lines (hookimpl definition, arguments); the CLI prints one line."""
+    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
 
@@ -144,12 +152,17 @@ class MilesPlugins:
                 self._versions[ep.name] = ep.dist.version
 
     def register(self, plugin: object, name: str) -> None:
+        unmarked = [h for h in _HOOK_NAMES if hasattr(plugin, h) and self.pm.parse_hookimpl_opts(plugin, h) is None]
+        if unmarked and not self.pm.is_blocked(name):  # pluggy would ignore them: the plugin would do nothing
+            raise PluginError(
+                f"plugin '{name}' defines {', '.join(unmarked)} without @hookimpl (from miles_core.hookspecs import hookimpl)"
+            )
         try:
             self.pm.register(plugin, name)
         except ValueError as exc:
-            raise PluginError(f"cannot register plugin '{name}': {exc}") from exc
+            raise PluginError(f"cannot register plugin '{name}': {_one_line(exc)}") from exc
         except pluggy.PluginValidationError as exc:
-            raise PluginError(f"plugin '{name}' is invalid: {exc}") from exc
+            raise PluginError(f"plugin '{name}' is invalid: {_one_line(exc)}") from exc
 
     def _check_blocked(self, known: list[str]) -> None:
         """``-p no:NAME`` must name a plugin: a typo would block nothing, silently."""
@@ -163,7 +176,7 @@ class MilesPlugins:
             self.pm.check_pending()
         except pluggy.PluginValidationError as exc:
             name = self.pm.get_name(exc.plugin) if exc.plugin is not None else "?"
-            raise PluginError(f"plugin '{name}' implements a hook that Miles does not define: {exc}") from exc
+            raise PluginError(f"plugin '{name}' implements a hook that Miles does not define: {_one_line(exc)}") from exc
 
     # ------------------------------------------------------------------ registries
     @cached_property
