@@ -1,7 +1,13 @@
-"""Contract checks a plugin's own tests can call on what it registers."""
+"""Contract checks a plugin's own tests can call on what it registers.
+
+A check fails with an AssertionError, or with the PluginError that a run would stop with (the estimator and
+loss checks call the component as the run does, through the same checks of what it returns).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 from pathlib import Path
 
 import torch
@@ -9,6 +15,7 @@ import torch
 from miles_core.algorithms.config import AlgorithmConfig
 from miles_core.config.loader import load_config
 from miles_core.config.schema import MilesConfig
+from miles_core.orchestration.build import checked_estimator, checked_loss
 from miles_core.rewards.custom import check_reward_fn
 from miles_core.rewards.runner import is_reward_value
 from miles_core.types import AdvantageInputs, AdvantageOutputs, LossInputs, LossOutput, Sample
@@ -33,11 +40,17 @@ def tiny_config(tmp_path: Path, *overrides: str) -> MilesConfig:
 
 
 def check_reward(fn, name: str = "reward") -> None:
-    """A reward accepts one Sample and returns a finite number."""
+    """A reward accepts one Sample and returns a finite number (or an awaitable of one)."""
     check_reward_fn(fn, name)
     sample = Sample(prompt="1+1=", prompt_ids=[1], response_ids=[2], response="2", rollout_logprobs=[0.0], label="2")
     value = fn(sample)
+    if inspect.isawaitable(value):
+        value = asyncio.run(_awaited(value))
     assert is_reward_value(value), f"{name} returned {value!r}, not a finite number"
+
+
+async def _awaited(value):
+    return await value
 
 
 def check_advantage_estimator(fn, cfg: AlgorithmConfig | None = None) -> AdvantageOutputs:
@@ -50,7 +63,7 @@ def check_advantage_estimator(fn, cfg: AlgorithmConfig | None = None) -> Advanta
         response_mask=mask,
         old_logprobs=torch.full_like(mask, -1.0) * mask,
     )
-    out = fn(inputs, cfg)
+    out = checked_estimator(fn, f"advantage estimator {getattr(fn, '__name__', fn)!r}", inputs, cfg)
     assert out.advantages.shape == mask.shape, f"advantages have shape {tuple(out.advantages.shape)}, expected {tuple(mask.shape)}"
     assert torch.all(out.advantages[mask == 0] == 0), "advantages must be zero where response_mask is zero"
     assert torch.isfinite(out.advantages).all()
@@ -62,7 +75,8 @@ def check_policy_loss(fn, cfg: AlgorithmConfig | None = None) -> LossOutput:
     cfg = cfg or AlgorithmConfig()
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.float32)
     logp = torch.full((2, 3), -1.0, requires_grad=True)
-    out = fn(LossInputs(logp, torch.full((2, 3), -1.1), torch.tensor([[1.0, 1.0, 0], [-1.0, 0, 0]]), mask), cfg)
+    inputs = LossInputs(logp, torch.full((2, 3), -1.1), torch.tensor([[1.0, 1.0, 0], [-1.0, 0, 0]]), mask)
+    out = checked_loss(fn, cfg, f"policy loss {getattr(fn, '__name__', fn)!r}", inputs)
     assert out.loss.shape == mask.shape, f"loss has shape {tuple(out.loss.shape)}, expected per-token {tuple(mask.shape)}"
     (out.loss * mask).sum().backward()
     assert logp.grad is not None and torch.isfinite(logp.grad).all()

@@ -24,6 +24,10 @@ def miles_tiny_config(tmp_path):
     return tiny_config(tmp_path)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
