@@ -32,7 +32,7 @@ def installed(tmp_path_factory):
     return target, env
 
 
-def test_estimator_by_hand(installed):
+def test_estimator_by_hand(installed, tmp_path):
     sys.path.insert(0, str(installed[0]))
     try:
         from miles_advantage_plugin import median_baseline
@@ -45,6 +45,14 @@ def test_estimator_by_hand(installed):
         out = median_baseline(x, AlgorithmConfig())
         assert torch.allclose(out.advantages, torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]))
         check_advantage_estimator(median_baseline)
+        # its baseline is the group's median: a group of one gets 0, so a run with one sample per prompt is refused
+        from miles_core.errors import ConfigError
+        from miles_core.orchestration.build import check_algorithm
+        from miles_core.testing.contracts import tiny_config
+
+        cfg = tiny_config(tmp_path, "rollout.n_samples_per_prompt=1", "algorithm.advantage_estimator=median_baseline")
+        with pytest.raises(ConfigError, match="n_samples_per_prompt >= 2"):
+            check_algorithm(cfg, median_baseline)
     finally:
         sys.path.remove(str(installed[0]))
 

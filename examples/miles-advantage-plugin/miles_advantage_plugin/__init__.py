@@ -4,7 +4,7 @@
 
 Shapes: rewards [N], group_ids [N], response_mask [N, T] -> advantages [N, T]. For a group of
 even size, torch's median is the lower of the two middle values. A group whose rewards are all
-equal gets 0.
+equal, or a group of one, gets 0.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ def median_baseline(inputs: AdvantageInputs, cfg) -> AdvantageOutputs:
         sel = inputs.group_ids == g
         adv[sel] = rewards[sel] - rewards[sel].median()
     return AdvantageOutputs(advantages=adv[:, None] * inputs.response_mask)
+
+
+median_baseline.needs_groups = True  # its baseline is the group: a run with one sample per prompt is refused
 
 
 @hookimpl
