@@ -9,10 +9,16 @@ Two kinds of hooks:
 * **Registration hooks** (``miles_register_<things>(registry)``) are called once per run, when
   the plugin manager builds its registries. A plugin calls ``registry.add(name, component)``.
   Every plugin's implementation is called; a name registered by two plugins is an error that
-  names both. The component types are documented on each hook.
+  names both. The component types are documented on each hook; a component of the wrong kind (not
+  callable, a signature that cannot take the documented arguments by position, not an instance
+  of the documented class) is refused by ``registry.add`` with a PluginError naming the plugin.
 * **Lifecycle hooks** are called by the RL loop at fixed points. Every implementation is called
   (in pluggy's order: last registered first) and return values are ignored, except where a hook
   is marked ``firstresult``: there the first non-``None`` answer wins.
+
+A function is an implementation only when marked ``@hookimpl`` (an unmarked function named like a
+hook is an error). An exception raised by an implementation stops the run with a PluginError that
+names the plugin and the hook (a :class:`miles_core.errors.MilesUserError` is passed on as it is).
 
 Call sites never spell hook names as strings: they go through :class:`miles_core.plugins.manager.MilesPlugins`.
 """
@@ -40,9 +46,12 @@ class MilesSpecs:
     def miles_register_tasks(self, registry: Registry) -> None:
         """Register prompt tasks: ``registry.add(name, factory)``.
 
-        ``factory(options: dict) -> miles_core.data.base.Task``; ``options`` is the
-        ``data.task_options`` mapping of the config. A task makes prompts with labels and scores
-        responses (its verifier). Selected by ``data.task``.
+        ``factory(cfg: miles_core.data.config.DataConfig) -> miles_core.data.base.Task``: ``cfg`` is
+        the config's whole ``data`` section; the task's own options are the mapping
+        ``cfg.task_options`` (``data.task_options``). A task makes prompts with labels
+        (``eval_prompts()``, ``train_prompts(rng)``), scores responses (``score(response, label)``,
+        its verifier: a score >= 1.0 counts as correct) and may give a reference answer for the
+        supervised warm-up (``reference(prompt)``). Selected by ``data.task``.
         """
 
     @hookspec
@@ -50,7 +59,9 @@ class MilesSpecs:
         """Register reward functions: ``registry.add(name, fn)``.
 
         ``fn(sample: miles_core.types.Sample) -> float`` (or an awaitable of a float). Selected
-        by ``reward.name``; ``reward.name=task`` uses the task's own verifier.
+        by ``reward.name``; ``reward.name=task`` uses the task's own verifier and
+        ``reward.name=module:function`` imports a function, so a reward named ``task`` or with a
+        ``:`` in its name is refused.
         """
 
     @hookspec
@@ -75,7 +86,8 @@ class MilesSpecs:
         """Register advantage estimators: ``registry.add(name, fn)``.
 
         ``fn(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> AdvantageOutputs``
-        (``miles_core.types``, ``miles_core.algorithms.config``). Selected by
+        (``miles_core.types``, ``miles_core.algorithms.config``), called with both by position,
+        once per RL step; ``advantages`` is ``[N, T]``, zero where ``response_mask`` is. Selected by
         ``algorithm.advantage_estimator``. An estimator whose baseline is the prompt's group of
         samples (its advantages are 0 for a group of one) sets ``fn.needs_groups = True``; a run
         with ``rollout.n_samples_per_prompt=1`` is then refused with a ConfigError.
@@ -85,8 +97,11 @@ class MilesSpecs:
     def miles_register_policy_losses(self, registry: Registry) -> None:
         """Register policy losses: ``registry.add(name, fn)``.
 
-        ``fn(inputs: LossInputs, cfg: AlgorithmConfig) -> LossOutput``. Selected by
-        ``algorithm.policy_loss``.
+        ``fn(inputs: LossInputs, cfg: AlgorithmConfig) -> LossOutput``, called with both by
+        position, once per micro-batch. ``LossOutput.loss`` is the per-token loss ``[N, T]`` (the
+        trainer aggregates it, ``algorithm.loss_agg``); ``LossOutput.metrics`` holds floats, not
+        tensors. Selected by ``algorithm.policy_loss``; the loss named ``sft`` serves the supervised
+        warm-up.
         """
 
     @hookspec
@@ -136,13 +151,13 @@ class MilesSpecs:
         """Choose the implementation that serves ``op`` on ``platform``; first non-None wins.
 
         ``candidates`` are the registered implementations of ``op`` that run on ``platform``,
-        highest priority first. Return ``None`` to leave the choice to the priorities.
+        highest priority first. Return one of them, or ``None`` to leave the choice to the priorities.
         """
 
     # ------------------------------------------------------------------ lifecycle
     @hookspec
     def miles_run_start(self, ctx: RunContext) -> None:
-        """Called once, after every component is built and before the first rollout."""
+        """Called once, after every component is built and before the supervised warm-up and the first rollout."""
 
     @hookspec
     def miles_after_rollout(self, ctx: RunContext, step: int, samples: list[Sample]) -> None:
@@ -150,7 +165,9 @@ class MilesSpecs:
 
     @hookspec
     def miles_after_train_step(self, ctx: RunContext, step: int, metrics: dict[str, Any]) -> None:
-        """Called after each optimizer step with that step's metrics (a plugin may add keys)."""
+        """Called after each RL step's training (its ``train.updates_per_rollout`` optimizer steps; not
+        after the supervised warm-up's steps) with that step's metrics so far; a plugin may add keys,
+        which are logged with the step."""
 
     @hookspec
     def miles_after_weight_sync(self, ctx: RunContext, version: int) -> None:
