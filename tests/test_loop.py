@@ -314,3 +314,42 @@ def test_prompts_without_reference_answers_for_sft(tmp_path):
     summary, _ = run_loop(build(cfg, MilesPlugins(autoload=False), tmp_path), records.append)
     assert [r["step"] for r in records] == [0, 1, 2] and all("eval_accuracy" in r and "eval_nll" not in r for r in records)
     assert summary["eval_nll_first"] is None and summary["train_nll_last"] > 0
+
+
+def test_a_run_start_or_run_end_hook_that_raises_still_closes_the_engines(tmp_path, monkeypatch):
+    """run_start ran before the try whose finally closes the placement (engines, launched servers, Ray actors),
+    and run_end before the close in that finally: a plugin failing in either left them running (and after a
+    failed run_start, miles_run_end was never called)."""
+    import pytest
+
+    import miles_core.orchestration.loop as loop
+    from miles_core.errors import PluginError
+
+    class FailsAtStart:
+        @hookimpl
+        def miles_run_start(self, ctx):
+            raise RuntimeError("tracker is down")
+
+    class FailsAtEnd:
+        @hookimpl
+        def miles_run_end(self, ctx, summary):
+            raise RuntimeError("upload failed")
+
+    closed = []
+    make = loop.make_placement
+
+    def recording(c):
+        placement = make(c)
+        close = placement.close
+        placement.close = lambda: (closed.append(True), close())
+        return placement
+
+    monkeypatch.setattr(loop, "make_placement", recording)
+    for plugin, hook, status in [(FailsAtStart(), "miles_run_start", "failed"), (FailsAtEnd(), "miles_run_end", "completed")]:
+        closed.clear()
+        rec = Recorder()
+        pm = MilesPlugins(autoload=False, extra_plugins=[("failing", plugin), ("rec", rec)])
+        c = build(tiny_config(tmp_path, "run.num_threads=1"), pm, tmp_path)
+        with pytest.raises(PluginError, match=f"'failing'.*{hook}"):
+            run_loop(c, lambda record: None)
+        assert closed == [True] and rec.calls[-1] == ("end", status)

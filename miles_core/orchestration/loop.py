@@ -159,13 +159,13 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
     stream = c.task.train_prompts(random.Random(cfg.run.seed))
     eval_prompts = _tokenize(c.task.eval_prompts(), tok)
     version = 0
-    ctx.plugins.run_start(ctx)
     summary: dict[str, Any] = {"status": "failed"}
     history: list[dict[str, Any]] = []
     resume = find_checkpoint(cfg.run.load) if trainer is not None else None
     consumed, start, first_eval = 0, 1, None
     source = None
     try:
+        ctx.plugins.run_start(ctx)  # in the try: a plugin failing here still gets run_end, and the engines are closed
         if cfg.run.mode == "sft":
             refs = _reference_samples(eval_prompts, c.task, tok)
             summary = run_sft(c, backend, trainer, eval_prompts, refs, evaluate, on_metrics)
@@ -267,7 +267,9 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
         summary = {"status": "interrupted"}
         raise
     finally:
-        if source is not None:
-            source.close()
-        ctx.plugins.run_end(ctx, summary)
-        placement.close()
+        try:
+            if source is not None:
+                source.close()
+            ctx.plugins.run_end(ctx, summary)
+        finally:
+            placement.close()
