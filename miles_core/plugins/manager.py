@@ -166,6 +166,8 @@ class MilesPlugins:
 
     def _check_blocked(self, known: list[str]) -> None:
         """``-p no:NAME`` must name a plugin: a typo would block nothing, silently."""
+        if not self.blocked:
+            return
         known = known + [ep.name for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT)]
         for name in self.blocked:
             if name not in known:
