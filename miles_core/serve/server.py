@@ -36,6 +36,13 @@ class Abandoned(Exception):
     """:meth:`MilesServer.wait` gave up on its requests (the client left, a deadline passed) and aborted them."""
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    # connections waiting to be accepted: socketserver's default of 5 reset most connections of a client that opens
+    # many at once (the sglang backend sends up to 64 /generate requests together); uvicorn, SGLang's server, uses 2048
+    request_queue_size = 2048
+
+
 class MilesServer:
     health_timeout_s = 20.0  # /health_generate answers 503 when its one-token request has not ended by then (SGLang's 20 s)
 
@@ -50,11 +57,10 @@ class MilesServer:
             engine.shutdown()
             raise ConfigError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
         try:
-            self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
+            self.httpd = _HTTPServer((host, port), _make_handler(self))
         except (OSError, OverflowError) as exc:  # in use, not this machine's address, out of range
             engine.shutdown()
             raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from None
-        self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
 
     @property

@@ -139,6 +139,23 @@ def test_killed_engine_groups_are_resubmitted(backend, tiny):
     assert m["engine_restarts"] == 1 and 0 < m["recovery_s"] < 60
 
 
+def test_a_full_batch_against_a_miles_serve_url(tiny, tmp_path):
+    """64 groups in flight at once (the backend's pool) against one `miles serve` given by URL: none is refused
+    (its listen backlog was 5, so most connections of such a batch were reset, and a URL server is not retried)."""
+    from miles_core.serve.app import build_server
+
+    model, tok, path = tiny
+    srv = build_server(str(path), port=0, device="cpu")
+    srv.start()
+    try:
+        b = SglangBackend(SglangConfig(urls=[f"http://127.0.0.1:{srv.port}"]), tok, path, tmp_path)
+        prompts = [Prompt(f"{i}?") for i in range(128)]
+        got = b.generate(prompts, SamplingParams(max_new_tokens=2, temperature=0), n=1)
+        assert len(got) == 128 and all(s.metadata["attempts"] == 1 for s in got)
+    finally:
+        srv.shutdown()
+
+
 def test_unreachable_url_names_it():
     with pytest.raises(MilesUserError, match=r"http://127.0.0.1:9/ ?does not answer /health|127.0.0.1:9 does not answer"):
         SglangBackend(SglangConfig(urls=["http://127.0.0.1:9"]), CharTokenizer(), "", "/tmp")
