@@ -21,6 +21,7 @@ from miles_core.models.decoder import Decoder, DecoderConfig
 from miles_core.plugins.manager import MilesPlugins
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engine import BuiltinEngine
+from miles_core.orchestration.recovery import EngineMonitor
 from miles_core.rollout.sglang.backend import SglangBackend
 from miles_core.rollout.sglang.protocol import parse_output
 from miles_core.rollout.sglang.config import SglangConfig
@@ -179,6 +180,10 @@ class _Bad(BaseHTTPRequestHandler):
 
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
+        if self.server.mode == "drop":  # a handler that crashed: the connection closes without an answer
+            return
+        if self.server.mode == "slow":
+            time.sleep(1.0)
         if self.server.mode == "error":
             self._reply(500, {"error": {"message": "out of memory"}})
         else:
@@ -196,6 +201,41 @@ def test_bad_server_answers_are_one_clear_error(mode, match):
         with pytest.raises(MilesUserError, match=match) as exc:
             b.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
         assert url in str(exc.value)
+    finally:
+        srv.shutdown()
+
+
+class _StaysUp:
+    """Stands in for a launched server's process that keeps running."""
+
+    def alive(self):
+        return True
+
+    def stop(self):
+        pass
+
+
+@pytest.mark.parametrize("launched", [False, True])
+@pytest.mark.parametrize("mode,match", [("drop", r"closed the connection without an answer 3 times"),
+                                        ("slow", r"no answer within rollout.sglang.request_timeout_s \(0.3 s\)")], ids=["drop", "slow"])
+def test_a_live_server_that_never_answers_is_one_clear_error(mode, match, launched):
+    # a live engine that drops every /generate (a crashing handler) or outlasts request_timeout_s was retried
+    # without end when launched (it answers /health, so it looked like a transient error)
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Bad)
+    srv.mode = mode
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        b = SglangBackend(SglangConfig(urls=[url], request_timeout_s=0.3), CharTokenizer(), "", "/tmp")
+        if launched:
+            b.engines[0].server = _StaysUp()
+            b.monitor = EngineMonitor(1, lambda i: True, lambda i: None)
+        t0 = time.monotonic()
+        if mode == "drop" and not launched:
+            match = r"stopped answering /generate \(rollout.sglang.urls servers are not restarted\)"  # not retried
+        with pytest.raises(MilesUserError, match=match) as exc:
+            b.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
+        assert url in str(exc.value) and time.monotonic() - t0 < 10
     finally:
         srv.shutdown()
 

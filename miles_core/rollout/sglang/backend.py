@@ -235,7 +235,7 @@ class SglangBackend:
         body = {"input_ids": list(prompt_ids), "sampling_params": sampling_params(params, n), "return_logprob": True}
         if params.top_logprobs:
             body["top_logprobs_num"] = params.top_logprobs
-        attempts = 0
+        attempts = drops = 0
         eng = self.engines[gi % len(self.engines)]
         while True:
             if self._abort.is_set():  # never sent (or lost with a dead engine): aborted with no tokens
@@ -245,8 +245,17 @@ class SglangBackend:
             try:
                 with self._track():
                     out = request(url + "/generate", body, self.cfg.request_timeout_s)
-            except EngineDown:
+            except EngineDown as exc:
+                if exc.timed_out:  # sending it again would wait as long again, without end
+                    raise MilesUserError(f"{url}/generate: no answer within rollout.sglang.request_timeout_s "
+                                         f"({self.cfg.request_timeout_s:g} s)") from None
                 eng = self._after_failure(eng, url)
+                if eng.url == url and not self._abort.is_set():  # the same server, still up, dropped the request
+                    drops += 1
+                    if drops == 3:
+                        log = getattr(eng.server, "log_path", None)
+                        raise MilesUserError(f"{url}/generate: the server closed the connection without an answer 3 times "
+                                             f"while it stays up{f' (see {log})' if log else ''}")
                 continue
             outs = out if isinstance(out, list) else [out]
             if len(outs) != n:

@@ -20,9 +20,10 @@ from miles_core.errors import MilesUserError
 class EngineDown(ConnectionError):
     """The server at ``url`` did not answer."""
 
-    def __init__(self, url: str, reason: str) -> None:
+    def __init__(self, url: str, reason: str, timed_out: bool = False) -> None:
         super().__init__(f"{url}: no answer ({reason})")
         self.url = url
+        self.timed_out = timed_out  # the server took longer than the timeout (it may still be up and working)
 
 
 def request(url: str, payload: Any = None, timeout: float = 60.0, method: str | None = None) -> Any:
@@ -38,9 +39,9 @@ def request(url: str, payload: Any = None, timeout: float = 60.0, method: str | 
         body = exc.read().decode(errors="replace")[:300]
         raise MilesUserError(f"{url}: the server answered HTTP {exc.code}: {body}") from None
     except urllib.error.URLError as exc:
-        raise EngineDown(url, str(exc.reason)) from None
+        raise EngineDown(url, str(exc.reason), isinstance(exc.reason, TimeoutError)) from None
     except (ConnectionError, http.client.HTTPException, socket.timeout, TimeoutError, OSError) as exc:
-        raise EngineDown(url, f"{type(exc).__name__}: {exc}") from None
+        raise EngineDown(url, f"{type(exc).__name__}: {exc}", isinstance(exc, TimeoutError)) from None
     text = raw.decode(errors="replace")
     if not text:
         return ""
