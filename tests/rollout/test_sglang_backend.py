@@ -186,11 +186,15 @@ class _Bad(BaseHTTPRequestHandler):
             time.sleep(1.0)
         if self.server.mode == "error":
             self._reply(500, {"error": {"message": "out of memory"}})
+        elif self.server.mode == "vocab":  # another model: ids beyond the trainer's vocabulary (52 for CharTokenizer)
+            self._reply(200, {"output_ids": [5, 60], "meta_info": {"output_token_logprobs": [[-0.1, 5, "a"], [-0.2, 60, "b"]],
+                                                                  "finish_reason": {"type": "length"}, "weight_version": "0"}})
         else:
             self._reply(200, {"text": "x", "meta_info": {"finish_reason": {"type": "length"}}})
 
 
-@pytest.mark.parametrize("mode,match", [("error", r"HTTP 500.*out of memory"), ("malformed", r"field 'output_token_logprobs' is missing")])
+@pytest.mark.parametrize("mode,match", [("error", r"HTTP 500.*out of memory"), ("malformed", r"field 'output_token_logprobs' is missing"),
+                                        ("vocab", r"token id 60 is outside the trainer's vocabulary \(52 ids\)")])
 def test_bad_server_answers_are_one_clear_error(mode, match):
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Bad)
     srv.mode = mode

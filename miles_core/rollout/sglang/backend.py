@@ -52,9 +52,10 @@ class Engine:
 
 
 class SglangBackend:
-    def __init__(self, cfg: SglangConfig, tokenizer, model_dir: str | Path, workdir: str | Path) -> None:
+    def __init__(self, cfg: SglangConfig, tokenizer, model_dir: str | Path, workdir: str | Path, vocab_size: int | None = None) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.vocab_size = vocab_size or tokenizer.vocab_size  # the trainer's model's: an engine's ids must be below it
         self.model_dir = str(model_dir)
         self.workdir = Path(workdir)
         self.weight_version = 0
@@ -260,7 +261,13 @@ class SglangBackend:
             outs = out if isinstance(out, list) else [out]
             if len(outs) != n:
                 raise MilesUserError(f"{url}/generate: malformed response, {len(outs)} outputs for n={n}")
-            return eng.index, attempts, [parse_output(o, url) for o in outs]
+            parsed = [parse_output(o, url) for o in outs]
+            for out_ids, *_ in parsed:
+                bad = next((t for t in out_ids if not 0 <= t < self.vocab_size), None)
+                if bad is not None:
+                    raise MilesUserError(f"{url}/generate: token id {bad} is outside the trainer's vocabulary ({self.vocab_size} ids): "
+                                         f"the server runs another model than the trainer's (model.hf_checkpoint)")
+            return eng.index, attempts, parsed
 
     def _after_failure(self, eng: Engine, url: str) -> Engine:
         """The engine at ``url`` stopped answering: wait for its restart (launched) or fail (given by URL)."""

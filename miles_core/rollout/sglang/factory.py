@@ -19,6 +19,6 @@ def sglang_backend(ctx, model):
         family = ctx.plugins.registries.model_families.get(cfg.model.family, key="model.family")
         model_dir = str(workdir / "initial_model")
         save_hf_state(model.state_dict(), model.config, family, Path(model_dir), tokenizer_files(ctx.tokenizer))
-    backend = SglangBackend(cfg.rollout.sglang, ctx.tokenizer, model_dir or "", workdir)
+    backend = SglangBackend(cfg.rollout.sglang, ctx.tokenizer, model_dir or "", workdir, model.config.vocab_size)
     backend.run_extras = ctx.extras  # shutdown() leaves the run's recovery summary there
     return backend
