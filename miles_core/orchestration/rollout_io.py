@@ -35,7 +35,8 @@ def save_rollouts(root: str | Path, step: int, samples: list[Sample]) -> Path:
     return dest
 
 
-def load_rollouts(root: str | Path, step: int) -> list[Sample]:
+def load_rollouts(root: str | Path, step: int, vocab_size: int | None = None) -> list[Sample]:
+    """``DIR/step_N.jsonl``; with ``vocab_size``, a token id outside it (rollouts of another model) is refused."""
     path = step_file(root, step)
     if not path.is_file():
         raise DataError(f"run.load_rollouts: '{path}' does not exist (save it with --save-rollouts, or lower run.num_rollout)")
@@ -50,4 +51,10 @@ def load_rollouts(root: str | Path, step: int) -> list[Sample]:
             samples.append(Sample(**row))
         except (json.JSONDecodeError, TypeError) as exc:
             raise DataError(f"{path} line {i + 1}: not a saved sample ({exc})") from None
+        if vocab_size is not None:
+            s = samples[-1]
+            bad = next((t for t in s.prompt_ids + s.response_ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise DataError(f"{path} line {i + 1}: token id {bad} is outside the model's vocabulary ({vocab_size} ids): "
+                                f"rollouts saved by a run of another model or tokenizer")
     return samples

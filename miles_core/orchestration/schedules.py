@@ -78,11 +78,11 @@ class OneStepOffSchedule(SyncSchedule):
 
 
 class LoadedRollouts:
-    def __init__(self, root: str) -> None:
-        self.root = root
+    def __init__(self, root: str, vocab_size: int | None = None) -> None:
+        self.root, self.vocab_size = root, vocab_size
 
     def get(self, step: int) -> Result:
-        return load_rollouts(self.root, step), {"time_generate": 0.0}
+        return load_rollouts(self.root, step, self.vocab_size), {"time_generate": 0.0}
 
     def before_sync(self) -> None:
         pass
@@ -97,7 +97,7 @@ class LoadedRollouts:
 def make_source(c, backend, next_prompts: NextPrompts, params: SamplingParams, last_step: int):
     run, orch = c.ctx.config.run, c.ctx.config.orchestration
     if run.load_rollouts:
-        return LoadedRollouts(run.load_rollouts)
+        return LoadedRollouts(run.load_rollouts, c.model.config.vocab_size)
     if orch.schedule == "async":
         from miles_core.orchestration.async_rollout import AsyncSchedule
 

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from miles_core.errors import ConfigError
+from miles_core.errors import ConfigError, DataError
 from miles_core.hookspecs import hookimpl
 from miles_core.orchestration.build import build
 from miles_core.orchestration.loop import run_loop
@@ -98,6 +98,19 @@ def test_training_from_saved_rollouts_reproduces_the_run(tmp_path):
     for a, b in zip(first, second, strict=True):
         for key in TRAIN_KEYS:
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
+
+
+def test_saved_rollouts_of_another_model_are_refused_with_their_file(tmp_path):
+    # rollouts saved by a run of another model (another tokenizer) hold ids the trainer's embedding does not have:
+    # that failed in the trainer's forward with 'IndexError: index out of range in self'
+    saved = tmp_path / "rollouts"
+    _run(tiny_config(tmp_path, "run.num_rollout=1", f"run.save_rollouts={saved}"))
+    rows = [json.loads(line) for line in (saved / "step_1.jsonl").read_text().splitlines()]
+    rows[2]["response_ids"][0] = 5000
+    (saved / "step_1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    c = build(tiny_config(tmp_path, "run.num_rollout=1", f"run.load_rollouts={saved}"), MilesPlugins(autoload=False), None)
+    with pytest.raises(DataError, match=r"step_1.jsonl line 3: token id 5000 is outside the model's vocabulary \(52 ids\)"):
+        run_loop(c, lambda r: None)
 
 
 def test_rollout_mode_saves_samples_and_does_not_train(tmp_path):
