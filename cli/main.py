@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 import sys
 from importlib import resources
 from pathlib import Path
@@ -76,7 +77,12 @@ def run(recipe, overrides, plugin_opts):
     path, overrides = _recipe_path(recipe, list(overrides))
     plugins = MilesPlugins(blocked=_blocked(plugin_opts))
     cfg = load_config(path, overrides)
+    signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: the run stops its launched engines (and Ray) on the way out
     run_recipe(cfg, plugins)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 @main.command()

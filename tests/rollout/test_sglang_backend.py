@@ -6,9 +6,12 @@ groups resubmitted, and one clear error for a bad URL, an error answer and a mal
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
@@ -281,6 +284,44 @@ def test_cli_run_with_a_dead_url_is_one_line(cli, tmp_path):
     line = _one_line_error(cli("run", "rollout.backend=sglang", "rollout.sglang.urls=[http://127.0.0.1:9]", f"run.output_dir={tmp_path}",
                                "train.sft_warmup_steps=0", "run.num_rollout=1"))
     assert "http://127.0.0.1:9" in line and "/health" in line
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_a_terminated_run_stops_its_engines(tmp_path):
+    # SIGTERM (kill, a job scheduler's cancel, a timeout) ended `miles run` without its cleanup: the engines it
+    # launched (in their own sessions) ran on, holding their memory and ports
+    proc = subprocess.Popen([sys.executable, "-m", "miles_cli.main", "run", "rollout.backend=sglang", f"run.output_dir={tmp_path}",
+                             "train.sft_warmup_steps=0", "run.num_rollout=10000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("*/metrics.jsonl")) or not list(tmp_path.glob("*/metrics.jsonl"))[0].read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:] if proc.poll() is not None else "timeout"
+            time.sleep(0.2)
+        engines = _children(proc.pid)
+        assert engines  # the launched `miles serve`
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        deadline = time.monotonic() + 20
+        while any(Path(f"/proc/{pid}").exists() for pid in engines) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        alive = [pid for pid in engines if Path(f"/proc/{pid}").exists()]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive
 
 
 def test_cli_validate_names_a_bad_sglang_key(cli):
