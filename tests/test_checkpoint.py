@@ -99,3 +99,39 @@ def test_a_folder_that_does_not_match_its_config_is_refused(tmp_path):
     save_file({**state, "model.extra.weight": torch.zeros(2)}, str(f))
     with pytest.raises(ConfigError, match=r"missing \[\], unexpected \['model.extra.weight'\]"):
         load_hf_folder(tmp_path / "ckpt", regs.model_families)
+
+
+def test_a_kill_while_an_old_step_folder_is_removed_leaves_latest_complete(tmp_path, monkeypatch):
+    """Saving step N into a --save folder that already has a step_N (a fresh run reusing it): the old folder is removed
+    only after the new one is in place, so a kill during that removal leaves `latest` naming a complete checkpoint.
+    The trainer is a stand-in that writes files (save_checkpoint's folder handling is what is under test)."""
+    import json
+    import shutil
+
+    from miles_core.orchestration.checkpoint import LoopState, find_checkpoint, save_checkpoint
+
+    class Trainer:
+        def save(self, path):
+            path.mkdir(parents=True)
+            (path / "state.pt").write_text("x")
+
+        def export_hf(self, family, dest, extra_files):
+            dest.mkdir(parents=True)
+
+    save_checkpoint(tmp_path, LoopState(step=1, version=1, prompts_consumed=8), Trainer(), None, None, {})
+    real = shutil.rmtree
+
+    def killed(path, *a, **kw):  # the removal of the earlier step_000001 is cut short: its loop.json first, then the kill
+        if "step_000001" in str(path) and ".tmp-" not in str(path) and path.exists():
+            (path / "loop.json").unlink(missing_ok=True)
+            raise KeyboardInterrupt
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    try:
+        save_checkpoint(tmp_path, LoopState(step=1, version=2, prompts_consumed=16), Trainer(), None, None, {})
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.setattr(shutil, "rmtree", real)
+    ckpt = find_checkpoint(tmp_path)
+    assert json.loads((ckpt / "loop.json").read_text())["version"] == 2  # the new step_000001, whole

@@ -31,8 +31,15 @@ def atomic_dir(dest: Path, write) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    replace_dir(tmp, dest)
+
+
+def replace_dir(tmp: Path, dest: Path) -> None:
+    """Move the finished folder ``tmp`` to ``dest``. An old ``dest`` is moved aside first (a rename) and removed
+    only once the new one is in place, or put back if that move fails: ``dest`` is never a half-removed folder."""
     old = dest.parent / f".{dest.name}.old-{os.getpid()}" if dest.exists() else None
     if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
         os.replace(dest, old)
     try:
         os.replace(tmp, dest)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from miles_core.errors import ConfigError
+from miles_core.models.checkpoint import replace_dir
 from miles_core.train.distributed import barrier, current
 
 LATEST = "latest"
@@ -97,9 +98,7 @@ def save_checkpoint(save_dir: Path, state: LoopState, trainer, backend, family, 
     if rank.is_main:
         (tmp / "loop.json").write_text(json.dumps(asdict(state)))
         _fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        replace_dir(tmp, final)  # over a step_N of an earlier run in this folder: never a half-removed one
         pointer = save_dir / f".{LATEST}.tmp"
         pointer.write_text(name)
         os.replace(pointer, save_dir / LATEST)
