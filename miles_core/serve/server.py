@@ -16,6 +16,7 @@ import select
 import socket
 import threading
 import time
+import traceback
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -132,6 +133,7 @@ def _make_handler(server: MilesServer):
         # ---------------------------------------------------------- plumbing
         def _send(self, status: int, payload: Any) -> None:
             data = (payload if isinstance(payload, str) else json.dumps(payload)).encode()
+            self.headers_sent = True
             self.send_response(status)
             self.send_header("Content-Type", "application/json" if not isinstance(payload, str) else "text/plain")
             self.send_header("Content-Length", str(len(data)))
@@ -174,6 +176,7 @@ def _make_handler(server: MilesServer):
                 return True
 
         def _start_stream(self) -> None:
+            self.headers_sent = True
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
@@ -193,6 +196,7 @@ def _make_handler(server: MilesServer):
 
         def _route(self, method: str) -> None:
             path = self.path.split("?", 1)[0]
+            self.headers_sent = False  # set by _send / _start_stream
             fn = ROUTES.get(path)
             if fn is None:
                 self._error(404, f"no endpoint {path}")
@@ -207,6 +211,12 @@ def _make_handler(server: MilesServer):
                 self._error(400, str(exc) or type(exc).__name__)
             except (BrokenPipeError, ConnectionResetError, Abandoned):
                 self.close_connection = True
+            except Exception as exc:  # a fault of the server's own: the client is told (500), the server serves on
+                self.close_connection = True
+                if self.headers_sent:  # mid-stream: the status is gone; ending the stream is all that is left
+                    return
+                self._error(500, f"internal error: {type(exc).__name__}: {exc}")
+                traceback.print_exc()
 
         # ---------------------------------------------------------- SGLang endpoints
         def health(self, body):

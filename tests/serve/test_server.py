@@ -520,3 +520,16 @@ def test_health_generate_answers_503_when_nothing_can_run(client, server):
         del server.health_timeout_s
         assert client.post("/continue_generation", {})[0] == 200
     assert client.request("GET", "/health_generate")[0] == 200
+
+
+def test_a_fault_of_the_server_s_own_answers_500_and_the_server_serves_on(client, server, monkeypatch):
+    """No real request is known to reach an unexpected exception, so one is planted in the engine's submit (the
+    only stand-in in this file): the client gets a 500 naming it, not a dropped connection, and the next request works."""
+    def broken(*a, **kw):
+        raise RuntimeError("planted fault")
+
+    monkeypatch.setattr(server.engine, "submit", broken)
+    status, body = client.post("/generate", {"text": "1+1=", "sampling_params": GREEDY})
+    assert status == 500 and body["error"]["message"] == "internal error: RuntimeError: planted fault"
+    monkeypatch.undo()
+    assert client.post("/generate", {"text": "1+1=", "sampling_params": GREEDY})[0] == 200
