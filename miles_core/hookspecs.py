@@ -58,10 +58,11 @@ class MilesSpecs:
     def miles_register_rewards(self, registry: Registry) -> None:
         """Register reward functions: ``registry.add(name, fn)``.
 
-        ``fn(sample: miles_core.types.Sample) -> float`` (or an awaitable of a float). Selected
-        by ``reward.name``; ``reward.name=task`` uses the task's own verifier and
-        ``reward.name=module:function`` imports a function, so a reward named ``task`` or with a
-        ``:`` in its name is refused.
+        ``fn(sample: miles_core.types.Sample) -> float`` (or an awaitable of one): any finite real
+        number (int, float, or a numpy scalar such as ``np.float32``; not a bool); anything else
+        stops the run with an error naming the reward and the sample. Selected by ``reward.name``;
+        ``reward.name=task`` uses the task's own verifier and ``reward.name=module:function``
+        imports a function, so a reward named ``task`` or with a ``:`` in its name is refused.
         """
 
     @hookspec
@@ -90,7 +91,8 @@ class MilesSpecs:
         once per RL step; ``advantages`` is ``[N, T]``, zero where ``response_mask`` is. Selected by
         ``algorithm.advantage_estimator``. An estimator whose baseline is the prompt's group of
         samples (its advantages are 0 for a group of one) sets ``fn.needs_groups = True``; a run
-        with ``rollout.n_samples_per_prompt=1`` is then refused with a ConfigError.
+        with ``rollout.n_samples_per_prompt=1``, or with ``rollout.temperature=0`` on the ``builtin`` or
+        ``sglang`` backend (identical samples), is then refused with a ConfigError.
         """
 
     @hookspec
