@@ -85,13 +85,16 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-@main.command()
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.argument("recipe", required=False)
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 @_plugin_opt
 @user_errors
 def validate(recipe, overrides, plugin_opts):
-    """Build everything RECIPE needs (config, plugins, data, reward, model) without running."""
+    """Build everything RECIPE needs (config, plugins, data, reward, model) without running.
+
+    Takes the same overrides and flags as miles run (--num-rollout 10, --rollout.top_p 0.9, ...).
+    """
     from miles_core.config.loader import load_config
     from miles_core.orchestration.build import build
     from miles_core.plugins.manager import MilesPlugins

@@ -45,6 +45,15 @@ def test_unknown_component_name(cli):
     assert "unknown advantage estimator 'grpp' (config key 'algorithm.advantage_estimator') (did you mean 'grpo'?)" in line
 
 
+def test_validate_takes_the_flags_run_takes(cli):
+    # slime flags, --KEY VALUE config keys and --sglang-KEY: miles run takes them, so validate must too
+    out = cli("validate", "--num-rollout", "3", "--rollout.top_p", "0.9", "--sglang-mem-fraction-static", "0.7")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok:")
+    line = _one_line_error(cli("validate", "--rollout.top_pp", "0.9"))
+    assert "rollout.top_pp" in line
+
+
 def test_validate_ok(cli):
     out = cli("validate")
     assert out.returncode == 0, out.stderr
