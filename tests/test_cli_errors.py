@@ -54,6 +54,14 @@ def test_validate_takes_the_flags_run_takes(cli):
     assert "rollout.top_pp" in line
 
 
+def test_validate_refuses_what_the_placement_refuses(cli):
+    # miles run refuses these when it makes the placement; validate built everything and said ok
+    line = _one_line_error(cli("validate", "orchestration.placement=ray_colocated", "orchestration.schedule=one_step_off"))
+    assert "orchestration.schedule=sync" in line
+    line = _one_line_error(cli("validate", "orchestration.placement=ray_disaggregated", "algorithm.advantage_estimator=ppo"))
+    assert "critic" in line
+
+
 def test_validate_ok(cli):
     out = cli("validate")
     assert out.returncode == 0, out.stderr

@@ -26,6 +26,7 @@ from miles_core.models.checkpoint import load_hf_folder
 from miles_core.models.gguf import gguf_file, load_gguf
 from miles_core.models.decoder import DecoderConfig
 from miles_core.orchestration.checkpoint import find_checkpoint
+from miles_core.orchestration.placement import check_placement
 from miles_core.platforms import select_platform
 from miles_core.plugins.manager import MilesPlugins
 from miles_core.rewards.custom import check_reward_fn, load_reward_path
@@ -129,6 +130,7 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
     needs_sft = cfg.train.sft_warmup_steps or cfg.run.mode == "sft"
     sft = regs.policy_losses.get("sft", key="train.sft_warmup_steps") if needs_sft else None
     check_algorithm(cfg, estimator)
+    check_placement(cfg)  # here too, so miles validate refuses what miles run would refuse at its start
     teacher = load_teacher(cfg, families=regs.model_families, vocab_size=model.config.vocab_size)
     regs.precision_recipes.get(cfg.train.precision, key="train.precision")
     return Components(
