@@ -39,6 +39,7 @@
 #   bash benchmarks/gpu_session.sh s26      # on an H200 the rollout bench with HF at 64, 1, 256 first, then s25's GPU tests
 #   bash benchmarks/gpu_session.sh h200only s26   # stop at once (exit 3) unless the card is an H200: a cheap probe for one
 #   bash benchmarks/gpu_session.sh h200only s26b  # the rollout bench with HF at 64, 1, 256 alone, on an H200 (a short budget)
+#   bash benchmarks/gpu_session.sh h200only s26c  # the rollout bench with HF at batch 64 alone, on an H200 (the last minutes)
 #   bash benchmarks/gpu_session.sh s25b     # short s25: the engine and algorithm GPU tests; on an H200 the bench at 64, 256
 #   bash benchmarks/gpu_session.sh s25c     # shortest: the update/release/resume GPU test; on an H200 the bench at 64
 #   bash benchmarks/gpu_session.sh s24b     # the update/release/resume GPU test; on an H200 only, the rollout bench with HF at 64, 256
@@ -214,6 +215,8 @@ print(min(t)[1].strip('()').replace(' ', '') if t else '')")
       bench_on_h200 64,1,256 ;;
     h200only)
       nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { echo "not an H200: stopping"; exit 3; } ;;
+    s26c)
+      bench_on_h200 64 ;;
     s26b)
       bench_on_h200 64,1,256 ;;
     s26)
