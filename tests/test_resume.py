@@ -111,3 +111,24 @@ def test_a_checkpoint_restores_the_rng_states_and_refuses_what_it_cannot_restore
     with pytest.raises(ConfigError, match="names 'step_000001', which is not a complete checkpoint"):
         find_checkpoint(save)
     assert find_checkpoint(tmp_path / "nothing-here") is None
+
+
+def test_a_resumed_run_tells_plugins_of_its_first_weight_push(tmp_path):
+    """miles_after_weight_sync follows every push, the one that gives a resumed run's engines the checkpoint's weights too."""
+    import json
+
+    from miles_core.hookspecs import hookimpl
+
+    save = tmp_path / "save"
+    _run(tmp_path / "a", f"run.save={save}", "run.save_interval=1", "run.num_rollout=1")
+    saved = json.loads((find_checkpoint(save) / "loop.json").read_text())["version"]
+    synced: list[int] = []
+
+    class Recorder:
+        @hookimpl
+        def miles_after_weight_sync(self, ctx, version):
+            synced.append(version)
+
+    cfg = tiny_config(tmp_path / "b", *ARGS, f"run.save={save}", f"run.load={save}", "run.num_rollout=2")
+    run_loop(build(cfg, MilesPlugins(extra_plugins=[("recorder", Recorder())]), tmp_path / "b"), lambda record: None)
+    assert synced == [saved, saved + 1]

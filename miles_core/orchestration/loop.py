@@ -178,6 +178,7 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
                 next(stream)
             if backend is not None:
                 c.transport.push(trainer.weights(), version, backend)
+                ctx.plugins.after_weight_sync(ctx, version)
         for w in range(t.sft_warmup_steps if resume is None and trainer is not None else 0):
             timer = Timer()
             prompts = _tokenize(list(itertools.islice(stream, t.sft_batch_size)), tok)
@@ -198,6 +199,7 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
         elif resume is None and trainer is not None and backend is not None and backend.weight_version != version:
             # engines given by URL may hold another run's weights (they report its version): give them the trainer's
             c.transport.push(trainer.weights(), version, backend)
+            ctx.plugins.after_weight_sync(ctx, version)
         if resume is None and trainer is not None:
             trainer.reset_reference()  # the KL reference is the policy as RL starts (after warm-up)
         aux = build_aux_models(c, trainer) if trainer is not None else AuxModels()
