@@ -60,6 +60,8 @@ def test_validate_refuses_what_the_placement_refuses(cli):
     assert "orchestration.schedule=sync" in line
     line = _one_line_error(cli("validate", "orchestration.placement=ray_disaggregated", "algorithm.advantage_estimator=ppo"))
     assert "critic" in line
+    line = _one_line_error(cli("validate", "orchestration.placement=ray_disaggregated", "sync.transport=disk"))
+    assert "use sync.transport=in_process, not disk" in line  # was refused only at the run's first weight push
 
 
 def test_validate_ok(cli):

@@ -54,6 +54,10 @@ def check_placement(cfg) -> None:
         raise ConfigError("Ray placements do not run a teacher or a critic yet; use orchestration.placement=local")
     if o.placement != "local" and cfg.run.mode == "sft":
         raise ConfigError("run.mode=sft runs in process; use orchestration.placement=local")
+    if o.placement != "local" and cfg.sync.transport in ("disk", "distributed", "sglang_tensor"):
+        # the driver's proxy of the engine actors takes weights only as tensors (through Ray's object store)
+        raise ConfigError(f"orchestration.placement={o.placement} sends weights to its engine actors through Ray: "
+                          f"use sync.transport=in_process, not {cfg.sync.transport}")
 
 
 def make_placement(c) -> Placement:
