@@ -196,8 +196,9 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             if backend is not None:
                 c.transport.push(trainer.weights(), version, backend)
             ctx.plugins.after_weight_sync(ctx, version)
-        elif resume is None and trainer is not None and backend is not None and backend.weight_version != version:
-            # engines given by URL may hold another run's weights (they report its version): give them the trainer's
+        elif resume is None and trainer is not None and backend is not None and (
+                backend.weight_version != version or getattr(backend, "foreign_weights", False)):
+            # engines given by URL may hold another run's weights (whatever version they report): give them the trainer's
             c.transport.push(trainer.weights(), version, backend)
             ctx.plugins.after_weight_sync(ctx, version)
         if resume is None and trainer is not None:

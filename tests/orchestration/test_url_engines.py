@@ -35,15 +35,17 @@ def served_run(tmp_path):
     srv.shutdown()
 
 
-def test_a_server_left_with_another_runs_weights_gets_the_trainers(served_run):
-    # the server was given weights by an earlier run (version 5): the first step must not sample from them
+@pytest.mark.parametrize("left_version", [5, 0])
+def test_a_server_left_with_another_runs_weights_gets_the_trainers(served_run, left_version):
+    # the server was given weights by an earlier run (version 5, or 0 like the trainer's): the first step must not
+    # sample from them
     c, srv, rec = served_run
     torch.manual_seed(1)
     other = {k: torch.randn_like(v) for k, v in c.model.state_dict().items()}
-    srv.engine.call(lambda core: core.update_weights(other, 5))
+    srv.engine.call(lambda core: core.update_weights(other, left_version))
     records = []
     summary, _ = run_loop(c, records.append)
     assert summary["status"] == "completed"
-    assert rec.steps[1] == {0}  # sampled with the trainer's initial weights (v0), not the leftover v5
+    assert rec.steps[1] == {0}  # sampled with the trainer's initial weights (v0), not the leftover ones
     step1 = next(r for r in records if r["step"] == 1)
     assert step1["mismatch_kl"] < 1e-3  # the engine's logprobs are the trainer's own

@@ -68,6 +68,9 @@ class SglangBackend:
         self._calls = 0
         self.monitor: EngineMonitor | None = None
         self.kind = "external"
+        # engines given by URL may hold any weights at the start, whatever version they report: the loop pushes the
+        # trainer's before the first rollout (a server of another architecture then fails that push, by name)
+        self.foreign_weights = bool(cfg.urls)
         self.run_extras: dict | None = None  # the run's ctx.extras; shutdown() adds "summary" there
         if cfg.urls:
             self.engines = [Engine(i, u.rstrip("/"), None, _set_event()) for i, u in enumerate(cfg.urls)]
