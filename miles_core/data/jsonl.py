@@ -15,38 +15,39 @@ from miles_core.errors import ConfigError, DataError
 from miles_core.types import Prompt
 
 
-def read_lines(path: str) -> Iterator[tuple[int, str]]:
-    """The lines of a UTF-8 file with their numbers. Each line is decoded on its own, so a file saved in
-    another encoding is named with its line (not a traceback); a byte-order mark (Windows editors) is skipped."""
+def read_rows(path: str) -> Iterator[tuple[str, object]]:
+    """``(where, value)`` for each non-blank line of a JSONL file, ``where`` being ``path:line`` for errors. Each line
+    is decoded on its own, so a file saved in another encoding is named with its line (not a traceback); a byte-order
+    mark (Windows editors) is skipped."""
+    if not Path(path).is_file():
+        raise DataError(f"data file '{path}' does not exist")
     with Path(path).open("rb") as fh:
         for lineno, raw in enumerate(fh, 1):
+            where = f"{path}:{lineno}"
             try:
-                yield lineno, raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not UTF-8 ({exc.reason} at byte {exc.start}); save the file as UTF-8") from None
+                raise DataError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start}); save the file as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where}: not valid JSON ({exc.msg})") from None
 
 
 def read_prompts(path: str, prompt_key: str, label_key: str) -> list[Prompt]:
-    file = Path(path)
-    if not file.is_file():
-        raise DataError(f"data file '{path}' does not exist")
     prompts = []
-    for lineno, line in read_lines(path):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+    for where, row in read_rows(path):
         if not isinstance(row, dict):
-            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
         if prompt_key not in row:
-            raise DataError(f"{path}:{lineno}: missing key '{prompt_key}' (set data.prompt_key)")
+            raise DataError(f"{where}: missing key '{prompt_key}' (set data.prompt_key)")
         if not isinstance(row[prompt_key], str):
-            raise DataError(f"{path}:{lineno}: '{prompt_key}' must be a string")
+            raise DataError(f"{where}: '{prompt_key}' must be a string")
         meta = {k: v for k, v in row.items() if k not in (prompt_key, label_key)}
         if not row[prompt_key] and "messages" not in meta:  # no tokens to generate from (messages: the loop renders them)
-            raise DataError(f"{path}:{lineno}: '{prompt_key}' is empty")
+            raise DataError(f"{where}: '{prompt_key}' is empty")
         prompts.append(Prompt(text=row[prompt_key], label=row.get(label_key), metadata=meta))
     if not prompts:
         raise DataError(f"data file '{path}' has no prompts")

@@ -11,10 +11,8 @@ Every line is checked when the file is read, so a bad file fails at start-up wit
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
-from miles_core.data.jsonl import read_lines
+from miles_core.data.jsonl import read_rows
 from miles_core.errors import DataError
 from miles_core.types import Sample
 
@@ -49,18 +47,8 @@ def sft_sample(prompt: str, segments: list[tuple[str, bool]], tokenizer, index: 
 
 
 def read_sft_examples(path: str, prompt_key: str, response_key: str, tokenizer) -> list[Sample]:
-    file = Path(path)
-    if not file.is_file():
-        raise DataError(f"data file '{path}' does not exist")
     samples: list[Sample] = []
-    for lineno, line in read_lines(path):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: not valid JSON ({exc.msg})") from None
+    for where, row in read_rows(path):
         if not isinstance(row, dict) or not isinstance(row.get(prompt_key), str):
             raise DataError(f"{where}: expected an object with a string '{prompt_key}' (set data.prompt_key)")
         if response_key not in row:

@@ -31,16 +31,7 @@ class Kernels:
                 by_op.setdefault(impl.op, []).append(impl)
         for op, candidates in by_op.items():
             candidates.sort(key=lambda k: -k.priority)
-            chosen = plugins.kernel_select(op, platform, candidates)
-            if chosen is not None and not any(chosen is c for c in candidates):
-                from miles_core.errors import PluginError
-
-                choosers = [i.plugin_name for i in plugins.pm.hook.miles_kernel_select.get_hookimpls()]
-                raise PluginError(
-                    f"miles_kernel_select returned {chosen!r} for op '{op}', not one of its candidates (a KernelImpl "
-                    f"registered for it) or None; plugins implementing it: {', '.join(choosers)}"
-                )
-            self._chosen[op] = chosen or candidates[0]
+            self._chosen[op] = plugins.kernel_select(op, platform, candidates) or candidates[0]
 
     def get(self, op: str, default: Callable[..., Any] | None = None) -> Callable[..., Any] | None:
         impl = self._chosen.get(op)

@@ -182,9 +182,10 @@ def checked_loss(fn, cfg, what: str, inputs: LossInputs) -> LossOutput:
 def check_algorithm(cfg: MilesConfig, estimator=None) -> None:
     """Checks of the algorithm section that need other sections (and the estimator's ``needs_groups``)."""
     a, r = cfg.algorithm, cfg.rollout
+    groups = cfg.run.mode != "sft" and getattr(estimator, "needs_groups", False)  # its baseline is the prompt's group
     if cfg.run.mode != "sft" and r.n_samples_per_prompt < 2:
         # a group of one sample has no baseline: every advantage would be 0 and nothing would be learned
-        if getattr(estimator, "needs_groups", False):
+        if groups:
             raise ConfigError(
                 f"algorithm.advantage_estimator={a.advantage_estimator} compares the samples of a prompt with each other: "
                 f"it needs rollout.n_samples_per_prompt >= 2, got {r.n_samples_per_prompt}"
@@ -192,7 +193,7 @@ def check_algorithm(cfg: MilesConfig, estimator=None) -> None:
         if a.dynamic_sampling:
             raise ConfigError("algorithm.dynamic_sampling drops groups whose rewards are all equal, which a group of one "
                               f"always is: it needs rollout.n_samples_per_prompt >= 2, got {r.n_samples_per_prompt}")
-    if cfg.run.mode != "sft" and r.temperature == 0 and r.backend in ("builtin", "sglang") and getattr(estimator, "needs_groups", False):
+    if groups and r.temperature == 0 and r.backend in ("builtin", "sglang"):
         # greedy samples of one prompt are one sample n times (a plugin's backend, an agent's say, may still vary them)
         raise ConfigError(
             f"algorithm.advantage_estimator={a.advantage_estimator} compares the samples of a prompt with each other, and "

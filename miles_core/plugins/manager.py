@@ -229,7 +229,15 @@ class MilesPlugins:
             raise PluginError(f"plugin '{_raiser(caller, exc)}' raised {type(exc).__name__}: {exc} (in {hook_name})") from exc
 
     def kernel_select(self, op: str, platform: str, candidates: list) -> Any:
-        return self._call("miles_kernel_select", op=op, platform=platform, candidates=candidates)
+        """One of ``candidates`` or None; anything else is a PluginError naming the plugins that implement the hook."""
+        chosen = self._call("miles_kernel_select", op=op, platform=platform, candidates=candidates)
+        if chosen is not None and not any(chosen is c for c in candidates):
+            choosers = [impl.plugin_name for impl in self.pm.hook.miles_kernel_select.get_hookimpls()]
+            raise PluginError(
+                f"miles_kernel_select returned {chosen!r} for op '{op}', not one of its candidates (a KernelImpl "
+                f"registered for it) or None; plugins implementing it: {', '.join(choosers)}"
+            )
+        return chosen
 
     def run_start(self, ctx: Any) -> None:
         self._call("miles_run_start", ctx=ctx)

@@ -99,11 +99,14 @@ class MilesServer:
                 reqs, sink = self.engine.submit(it.prompt_ids, it.params, it.rid, it.n)
                 handles.append((it, reqs, sink))
         except Exception:  # a later prompt refused: so is the whole request, and none of it runs on unseen
-            for _it, reqs, _sink in handles:
-                for r in reqs:
-                    self.engine.abort(r.request_id)
+            self.abort(handles)
             raise
         return handles
+
+    def abort(self, handles) -> None:
+        for _it, reqs, _sink in handles:
+            for r in reqs:
+                self.engine.abort(r.request_id)
 
     def wait(self, handles, give_up=None) -> list[tuple[GenerateItem, Request]]:
         """Block until every request is finished; (item, request) prompt by prompt, sample by sample.
@@ -117,8 +120,7 @@ class MilesServer:
                     left -= sink.get(timeout=_POLL_S if give_up else None).finished
                 except queue.Empty:
                     if give_up():
-                        for r in (r for _i, rs, _s in handles for r in rs):
-                            self.engine.abort(r.request_id)
+                        self.abort(handles)
                         raise Abandoned from None
         return [(it, r) for it, reqs, _ in handles for r in reqs]
 
