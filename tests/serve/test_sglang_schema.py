@@ -1,8 +1,9 @@
 """`miles serve`'s request and response fields against SGLang's own schemas (sglang 0.5.23).
 
-SGLang cannot be installed with its dependencies on a CPU machine, so this test runs only where
-``MILES_SGLANG_PATH`` names a folder built by ``tests/serve/sglang_schema_env.sh`` (sglang without
-its dependencies, a few light packages, a torchvision stand-in); elsewhere, CI included, it skips.
+SGLang cannot be installed with its dependencies on a CPU machine, so the test imports it from a folder
+built by ``tests/serve/sglang_schema_env.sh`` (sglang without its dependencies, a few light packages, a
+torchvision stand-in): ``MILES_SGLANG_PATH``, or else one the test builds once (about 25 s, from the
+package index) under ``~/.cache/miles``; it skips only where that build cannot reach the index.
 A subprocess imports SGLang from there (it patches transformers' torchvision check, so that
 transformers does not import the stand-in's missing vision code) and prints the field names of
 ``GenerateReqInput``, ``SamplingParams`` and the other endpoints' requests, the routes of its HTTP
@@ -12,6 +13,7 @@ reads or writes against them.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +22,7 @@ import pytest
 
 from miles_core.serve.protocol import _SAMPLING_KEYS
 
-SITE = os.environ.get("MILES_SGLANG_PATH")
-pytestmark = pytest.mark.skipif(not SITE, reason="MILES_SGLANG_PATH not set (tests/serve/sglang_schema_env.sh builds it)")
+SGLANG = "0.5.23"  # the version sglang_schema_env.sh installs
 
 PROBE = r"""
 import dataclasses, json, re
@@ -50,14 +51,33 @@ print(json.dumps({
 """
 
 
+def _schema_folder() -> Path:
+    """MILES_SGLANG_PATH, or the cached folder, built (into a temporary folder, then renamed) if it is not there."""
+    if os.environ.get("MILES_SGLANG_PATH"):
+        return Path(os.environ["MILES_SGLANG_PATH"])
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "miles" / f"sglang-schema-{SGLANG}"
+    if not folder.is_dir():
+        tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        env = dict(os.environ, PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))  # pip of this python
+        out = subprocess.run(["bash", str(Path(__file__).with_name("sglang_schema_env.sh")), str(tmp)], env=env,
+                             capture_output=True, text=True, timeout=600)
+        if out.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            pytest.skip(f"could not build SGLang's schema folder (no package index here?): {out.stderr.strip()[-300:]}")
+        os.replace(tmp, folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def sglang_names():
-    paths = os.pathsep.join([str(Path(SITE) / "site"), str(Path(SITE) / "stub")])
+    site = _schema_folder()
+    paths = os.pathsep.join([str(site / "site"), str(site / "stub")])
     env = dict(os.environ, PYTHONPATH=paths + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore")
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["version"] == "0.5.23"
+    assert got["version"] == SGLANG
     return got
 
 
