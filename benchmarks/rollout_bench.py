@@ -159,6 +159,8 @@ def main() -> None:
     ap.add_argument("--no-fused-attention", action="store_true", help="engine: the q/k/v prologue as its own kernel, not inside decode attention")
     ap.add_argument("--attention", default=None, help="engine: the paged decode kernel's launch, BLOCK_N,WARPS "
                     "(default: triton_decode.BLOCK_N, NUM_WARPS)")
+    ap.add_argument("--split-decode", type=int, default=0, help="engine: decode steps of at least this many rows as two "
+                    "half-batches on two CUDA streams (engine.split_decode_rows; 0 = never)")
     ap.add_argument("--no-fused", action="store_true", help="engine: without the fused Triton layer kernels (triton_fused.py)")
     ap.add_argument("--transformers-path", action="store_true", help="engine: run the model through transformers' own modules "
                     "over the paged cache (the path of architectures with no Miles family; transformers_runner.py)")
@@ -201,7 +203,7 @@ def main() -> None:
                        gated_gemm=not args.no_gated, pdl=not args.no_pdl,
                        pdl_prefetch=not args.no_prefetch, overlap_windows=not args.no_overlap,
                        fused_attention=not args.no_fused_attention, graph_sampling=not args.no_graph_sampling,
-                       cpu_kernels=args.cpu_kernels)
+                       cpu_kernels=args.cpu_kernels, split_decode_rows=args.split_decode)
     if args.decode_steps:
         cfg.decode_steps = args.decode_steps
     elif dev.type == "cpu":

@@ -500,3 +500,13 @@ def test_stop_strings_are_checked_on_the_output_s_tail_only():
     assert s.finish_reason == "stop" and s.matched_stop == target and s.output_ids == ref[: first + 3]
     assert never.finish_reason == "length" and never.output_ids == ref
     assert max(decoded) == 4 * 3 + 8 and len(decoded) == first + 3 + 120
+
+
+def test_split_decode_rows_is_checked_and_only_splits_on_the_graph_path():
+    """``engine.split_decode_rows``: negative refused at validation; on CPU (no CUDA graphs) no step splits."""
+    from miles_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="split_decode_rows"):
+        EngineConfig(split_decode_rows=-1).validate()
+    core = engine(split_decode_rows=2)
+    assert not core.runner.split_at(64)

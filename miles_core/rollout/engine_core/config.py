@@ -40,6 +40,10 @@ class EngineConfig:
     # for <= 64 rows so that it joins the chain (triton_pdl.py)
     pdl: bool = True
     pdl_prefetch: bool = True  # with pdl: the GEMMs' L2 weight prefetch (off: PDL alone, to measure each)
+    # GPU, with CUDA graphs and Triton: a decode step of at least this many rows runs as two half-batches on two
+    # streams (branches of its graph) so one half's attention overlaps the other's GEMMs (runner._decode_halves);
+    # 0: never
+    split_decode_rows: int = 0
     prefix_caching: bool = True  # reuse full KV pages of identical prefixes across requests
     # Decode through the same scaled_dot_product_attention call as prefill and the trainer (no CUDA
     # graphs, no Triton, no decode window): slower, but a precision recipe's kernel mode then sees the
@@ -58,6 +62,8 @@ class EngineConfig:
         for key in ("block_size", "max_num_seqs", "max_batched_tokens", "max_model_len", "decode_steps"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"engine.{key} must be >= 1, got {getattr(self, key)}")
+        if self.split_decode_rows < 0:
+            raise ConfigError(f"engine.split_decode_rows must be >= 0 (0: never split), got {self.split_decode_rows}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ConfigError(f"engine.num_blocks must be >= 2, got {self.num_blocks}")
         if self.cpu_kernels not in CPU_KERNELS:

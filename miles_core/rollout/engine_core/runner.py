@@ -86,6 +86,8 @@ class ModelRunner:
         self.step_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._window: DecodeWindow | None = None
         self.last_hidden: torch.Tensor | None = None  # exact_attention: final hidden states of the last logits
+        self._side_stream: torch.cuda.Stream | None = None  # the second half-batch's stream (split_at)
+        self.split_hidden = torch.zeros(g if cfg.split_decode_rows else 0, model.config.hidden_size, dtype=self.dtype, device=device)
         self.graph_pool = None
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 1
         self.qkv: list[torch.Tensor] = []  # per layer [(H + 2 Hk) D, hidden], see fuse()
@@ -215,14 +217,17 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forward
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None, attend,
-                attend_qkv=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                attend_qkv=None, block_tables: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x`` [N, hidden]; ``attend(q, k_cache, v_cache) -> [N, H, D]``; ``slots`` None: decode rows, found
-        from the block tables. ``attend_qkv(qkv, attention module, layer) -> [N, H, D]`` (fused path, decode):
-        the prologue and attention in one call, replacing both. Returns (hidden, routing [N, L, k])."""
+        from ``block_tables`` (default: the first N rows of the decode buffer's). ``attend_qkv(qkv, attention
+        module, layer) -> [N, H, D]`` (fused path, decode): the prologue and attention in one call, replacing
+        both. Returns (hidden, routing [N, L, k])."""
+        if slots is None and block_tables is None:
+            block_tables = self.block_tables[: x.shape[0]]
         if self.fused_kernels and self.qkv:
-            return self._layers_fused(x, positions, slots, attend, attend_qkv)
+            return self._layers_fused(x, positions, slots, attend, attend_qkv, block_tables)
         if slots is None:
-            slots = self._decode_slots(positions.shape[0])
+            slots = self._decode_slots(block_tables, positions)
         model = self.model
         n = x.shape[0]
         d = self.head_dim
@@ -266,14 +271,14 @@ class ModelRunner:
                     x = x + mlp(h)
         return model.model.norm(x), (torch.stack(routed, 1) if routed else None)
 
-    def _decode_slots(self, bs: int) -> torch.Tensor:
+    def _decode_slots(self, block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Cache slot of each decode row's new token, from its position and block table."""
-        positions, p = self.positions[:bs], self.block_size
+        p, bs = self.block_size, positions.shape[0]
         page_col = (positions // p).clamp(max=self.max_blocks - 1)
-        return self.block_tables[:bs][torch.arange(bs, device=self.device), page_col].long() * p + positions % p
+        return block_tables[torch.arange(bs, device=self.device), page_col].long() * p + positions % p
 
     def _layers_fused(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None, attend,
-                      attend_qkv=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      attend_qkv=None, block_tables: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`_layers` in fewer kernels (triton_fused.py): per layer the q/k/v GEMM, one prologue
         (q/k norm, rotary from the tables, decode slot, K/V write), attention, o_proj, residual add +
         norm, the MLP (at <= 64 rows with ``gated_gemm``: the gate/up GEMM with the SwiGLU as its epilogue,
@@ -282,7 +287,7 @@ class ModelRunner:
         layers = model.model.layers
         n, d = x.shape[0], self.head_dim
         cos, sin = self.rope_tables
-        where = dict(slots=slots) if slots is not None else dict(block_tables=self.block_tables[:n], page=self.block_size)
+        where = dict(slots=slots) if slots is not None else dict(block_tables=block_tables, page=self.block_size)
         h = layers[0].input_layernorm(x)
         pdl, pf = self.pdl_at(n), self.cfg.pdl_prefetch
         routed = []
@@ -351,9 +356,45 @@ class ModelRunner:
         logits = self.model.lm_head(hidden[logits_index]) if logits_index.numel() else None
         return logits, routed
 
+    def split_at(self, bs: int) -> bool:
+        """Whether a decode step of ``bs`` rows runs as two half-batches on two CUDA streams (see
+        :meth:`_decode_halves`): with CUDA graphs and the Triton kernels, from ``split_decode_rows`` rows on."""
+        n = self.cfg.split_decode_rows
+        return bool(n) and bs >= max(n, 2) and self.use_graphs and self.use_triton
+
     def _decode_body(self, bs: int, max_ctx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        tokens, positions = self.tokens[:bs], self.positions[:bs]
-        bt, ctx = self.block_tables[:bs], self.ctx_lens[:bs]
+        if self.split_at(bs):
+            return self._decode_halves(bs, max_ctx), None
+        hidden, routed = self._decode_rows(0, bs, max_ctx)
+        if self.cfg.exact_attention:
+            self.last_hidden = hidden
+        return self.model.lm_head(hidden), routed
+
+    def _decode_halves(self, bs: int, max_ctx: int) -> torch.Tensor:
+        """The layers of rows [0, h) on the current stream and of rows [h, bs) on a second one, then one
+        ``lm_head`` over all rows. The two chains share no tensor but the weights and the K/V cache, whose
+        pages they read and write are disjoint (each row has its own table), so the GPU may run one
+        half's attention (bound by K/V bandwidth) while the other runs its small GEMMs (bound by
+        latency): NanoFlow's nano-batches, here as two branches of the captured graph. The weights each
+        half reads are the other's, within a layer's ~30 MB, so the second read mostly hits L2."""
+        h = -(-bs // 2)
+        main = torch.cuda.current_stream(self.device)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        side = self._side_stream
+        out = self.split_hidden[:bs]  # a static buffer: no tensor allocated on one stream is freed on the other
+        side.wait_stream(main)  # the step's inputs (tokens, positions, tables) as the main stream left them
+        out[:h].copy_(self._decode_rows(0, h, max_ctx)[0])
+        with torch.cuda.stream(side):
+            out[h:].copy_(self._decode_rows(h, bs, max_ctx)[0])
+        main.wait_stream(side)
+        return self.model.lm_head(out)
+
+    def _decode_rows(self, lo: int, hi: int, max_ctx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder over decode rows [lo, hi) of the static buffers -> (final hidden [rows, hidden], routing)."""
+        bs = hi - lo
+        tokens, positions = self.tokens[lo:hi], self.positions[lo:hi]
+        bt, ctx = self.block_tables[lo:hi], self.ctx_lens[lo:hi]
         p = self.block_size
         if self.cfg.exact_attention:  # one query per row through the prefill path (SDPA with a mask)
             rows = torch.arange(bs, device=self.device)
@@ -380,10 +421,7 @@ class ModelRunner:
                     a.q_norm.eps if norm else 0.0, positions, cos, sin, self.kv[i, 0], self.kv[i, 1], bt, ctx, p, splits,
                     pdl=self.pdl_at(bs), **launch)
         x = self.model.model.embed_tokens(tokens)
-        hidden, routed = self._layers(x, positions, None, attend, attend_qkv)
-        if self.cfg.exact_attention:
-            self.last_hidden = hidden
-        return self.model.lm_head(hidden), routed
+        return self._layers(x, positions, None, attend, attend_qkv, bt)
 
     def begin_window(self, bs: int, steps: int) -> None:
         """Eager decode only: gather every row's cached K/V once for a window of ``steps`` steps."""
