@@ -353,3 +353,29 @@ def test_a_run_start_or_run_end_hook_that_raises_still_closes_the_engines(tmp_pa
         with pytest.raises(PluginError, match=f"'failing'.*{hook}"):
             run_loop(c, lambda record: None)
         assert closed == [True] and rec.calls[-1] == ("end", status)
+
+
+def test_a_step_that_dynamic_sampling_skips_pushes_no_weights(tmp_path):
+    """Dynamic sampling keeps no group of step 2 (every reward 0): nothing is trained, so the unchanged weights are
+    not pushed again and the version stays; step 3's samples come from step 1's weights (version 1)."""
+
+    class StepRewards(Recorder):
+        @hookimpl
+        def miles_register_rewards(self, registry):
+            # step 2: all equal; else a deterministic function of the sampled tokens (groups differ, as a rule)
+            registry.add("step_reward", lambda s: 0.0 if s.metadata.get("step") == 2 else float(sum(s.response_ids) % 2))
+
+    cfg = tiny_config(tmp_path, "run.num_rollout=3", "reward.name=step_reward", "algorithm.dynamic_sampling=true",
+                      "algorithm.dynamic_sampling_max_rounds=0")
+    rec = StepRewards()
+    c = build(cfg, MilesPlugins(autoload=False, extra_plugins=[("recorder", rec)]), tmp_path)
+    pushed = []
+    push = c.transport.push
+    c.transport.push = lambda weights, version, backend: (pushed.append(version), push(weights, version, backend))
+    records = []
+    summary, _ = run_loop(c, records.append)
+    steps = {r["step"]: r for r in records}
+    assert steps[2]["skipped"] == 1.0 and "loss" in steps[1] and "loss" in steps[3]
+    assert pushed == [1, 2] and [call[1] for call in rec.calls if call[0] == "sync"] == [1, 2]
+    assert [steps[k]["weight_version"] for k in (0, 1, 2, 3)] == [0, 1, 1, 2] and summary["weight_version"] == 2
+    assert [call[3] for call in rec.calls if call[0] == "rollout"] == [{0}, set(), {1}]  # step 2 kept no sample

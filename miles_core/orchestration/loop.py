@@ -240,13 +240,16 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
                 with placement.training():
                     metrics = rl_step(c, trainer, aux, samples, metrics, step, timer)
                 ctx.plugins.after_train_step(ctx, step, metrics)
+            # no samples (dynamic sampling kept no group): rl_step took no optimizer step, so there are no new weights
+            # to push and no new version; the engine goes on with the ones it holds
+            trained = trainer is not None and bool(samples)
             with timer("sync"):
                 source.before_sync()  # the engine is idle from here to after_sync
-                if trainer is not None:
+                if trained:
                     version += 1
                     if backend is not None:
                         c.transport.push(trainer.weights(), version, backend)
-            if trainer is not None:
+            if trained:
                 ctx.plugins.after_weight_sync(ctx, version)
             if backend is not None and (step % cfg.run.eval_every == 0 or step == cfg.run.num_rollout):
                 with timer("eval"):
