@@ -51,7 +51,9 @@ class MilesSpecs:
         ``cfg.task_options`` (``data.task_options``). A task makes prompts with labels
         (``eval_prompts()``, ``train_prompts(rng)``), scores responses (``score(response, label)``,
         its verifier: a score >= 1.0 counts as correct) and may give a reference answer for the
-        supervised warm-up (``reference(prompt)``). Selected by ``data.task``.
+        supervised warm-up (``reference(prompt)``). Selected by ``data.task``. A task that reads
+        its prompts from a file may set ``data_fingerprint`` (a dict identifying that file), which a
+        resumed run checks against its checkpoint's.
         """
 
     @hookspec

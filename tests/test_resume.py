@@ -132,3 +132,97 @@ def test_a_resumed_run_tells_plugins_of_its_first_weight_push(tmp_path):
     cfg = tiny_config(tmp_path / "b", *ARGS, f"run.save={save}", f"run.load={save}", "run.num_rollout=2")
     run_loop(build(cfg, MilesPlugins(extra_plugins=[("recorder", Recorder())]), tmp_path / "b"), lambda record: None)
     assert synced == [saved, saved + 1]
+
+
+def _jsonl(path, words):
+    import json
+
+    path.write_text("".join(json.dumps({"prompt": f"{w}=", "label": w[::-1]}) + "\n" for w in words))
+    return path
+
+
+def test_a_resume_refuses_a_changed_data_file_unless_told_to_accept_it(tmp_path, caplog):
+    """The prompt stream is replayed from the checkpoint's position: over another file that is another order of
+    prompts, silently. The checkpoint records the file's size and sha256; a resume compares them."""
+    import hashlib
+    import json
+
+    from miles_core.errors import DataError
+
+    data = _jsonl(tmp_path / "train.jsonl", ["ab", "abc", "ba", "cab", "bca", "aab"])
+    jsonl = ["data.task=jsonl", f"data.train_path={data}", f"data.eval_path={data}"]
+    save = tmp_path / "save"
+    _run(tmp_path / "a", *jsonl, f"run.save={save}", "run.save_interval=1", "run.num_rollout=1")
+    ckpt = find_checkpoint(save)
+    saved = json.loads((ckpt / "loop.json").read_text())["data_fingerprint"]
+    assert saved == {"path": str(data), "size": data.stat().st_size, "sha256": hashlib.sha256(data.read_bytes()).hexdigest()}
+
+    resume = [*jsonl, f"run.save={save}", "run.resume=true", "run.num_rollout=2"]
+    assert [r["step"] for r in _run(tmp_path / "b", *resume)] == [2]  # the same file: resumes
+    (save / "latest").write_text(ckpt.name)  # back to step 1
+
+    _jsonl(data, ["ab", "abc", "ba", "cab", "bca", "aab", "bb"])  # a row more: another shuffle
+    with pytest.raises(DataError) as err:
+        _run(tmp_path / "c", *resume)
+    msg = str(err.value)
+    assert f"data.train_path '{data}'" in msg and str(ckpt) in msg and "data.allow_changed_on_resume=true" in msg
+    assert not list((tmp_path / "c" / "runs").glob("*/metrics.jsonl"))  # refused before anything ran
+
+    with caplog.at_level("WARNING"):
+        assert [r["step"] for r in _run(tmp_path / "d", *resume, "data.allow_changed_on_resume=true")] == [2]
+    assert "changed since" in caplog.text
+    new = json.loads((find_checkpoint(save) / "loop.json").read_text())["data_fingerprint"]
+    assert new["size"] == data.stat().st_size and new != saved  # the new checkpoint records the file it read
+
+
+def test_a_checkpoint_without_a_data_fingerprint_still_resumes(tmp_path, caplog):
+    """Checkpoints saved before Miles recorded the data have no fingerprint: they resume unchecked, with a warning."""
+    import json
+
+    data = _jsonl(tmp_path / "train.jsonl", ["ab", "abc", "ba", "cab"])
+    jsonl = ["data.task=jsonl", f"data.train_path={data}", f"data.eval_path={data}"]
+    save = tmp_path / "save"
+    _run(tmp_path / "a", *jsonl, f"run.save={save}", "run.save_interval=1", "run.num_rollout=1")
+    loop_json = find_checkpoint(save) / "loop.json"
+    old = json.loads(loop_json.read_text())
+    del old["data_fingerprint"]
+    loop_json.write_text(json.dumps(old))
+    _jsonl(data, ["ab", "abc", "ba", "cab", "bb"])
+    with caplog.at_level("WARNING"):
+        steps = _run(tmp_path / "b", *jsonl, f"run.save={save}", "run.resume=true", "run.num_rollout=2")
+    assert [r["step"] for r in steps] == [2]
+    assert "records no data fingerprint" in caplog.text
+
+
+def test_allow_changed_on_resume_is_a_boolean():
+    from miles_core.config.loader import load_config
+    from miles_core.errors import ConfigError
+
+    assert load_config(None, ["data.allow_changed_on_resume=true"]).data.allow_changed_on_resume is True
+    with pytest.raises(ConfigError, match="'data.allow_changed_on_resume' must be true or false"):
+        load_config(None, ["data.allow_changed_on_resume=maybe"])
+
+
+def test_rollout_mode_from_a_checkpoint_labels_samples_with_its_weight_version(tmp_path):
+    """run.mode=rollout --resume generates with the checkpoint's weights: samples, records and the summary name their
+    version (the checkpoint's), not 0."""
+    import json
+
+    from miles_core.hookspecs import hookimpl
+
+    save = tmp_path / "save"
+    _run(tmp_path / "a", f"run.save={save}", "run.save_interval=1", "run.num_rollout=2")
+    saved = json.loads((find_checkpoint(save) / "loop.json").read_text())["version"]
+    assert saved == 3  # the warm-up's push, then one per RL step
+    seen: list[set[int]] = []
+
+    class Recorder:
+        @hookimpl
+        def miles_after_rollout(self, ctx, step, samples):
+            seen.append({s.weight_version for s in samples})
+
+    cfg = tiny_config(tmp_path / "b", *ARGS, "run.mode=rollout", f"run.save={save}", "run.resume=true", "run.num_rollout=2")
+    records = []
+    summary, _ = run_loop(build(cfg, MilesPlugins(extra_plugins=[("recorder", Recorder())]), tmp_path / "b"), records.append)
+    assert seen == [{saved}, {saved}]
+    assert {r["weight_version"] for r in records} == {saved} and summary["weight_version"] == saved

@@ -10,6 +10,11 @@ from miles_core.types import Prompt
 
 
 class Task(Protocol):
+    """A task may also have ``data_fingerprint``: a JSON-able dict that identifies the data its training stream is
+    drawn from (the JSONL task: the file's path, size and sha256). A checkpoint records it, and a resume refuses to
+    replay the stream if it differs (``data.allow_changed_on_resume``). Optional: a task whose stream is a function
+    of its seed and options alone has none."""
+
     name: str
 
     def eval_prompts(self) -> list[Prompt]:

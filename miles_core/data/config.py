@@ -16,6 +16,9 @@ class DataConfig:
     label_key: str = "label"  # JSONL key of the reference answer
     response_key: str = "response"  # JSONL key of the target response (run.mode=sft)
     num_eval: int = 128  # held-out prompts per eval (synthetic tasks)
+    # a resume replays the prompt order from the checkpoint's position; if the training file changed since, it refuses
+    # unless this is true (then the new file's order is replayed from that position)
+    allow_changed_on_resume: bool = False
 
     def validate(self) -> None:
         if self.num_eval < 1:

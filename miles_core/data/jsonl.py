@@ -1,11 +1,13 @@
 """Prompts from JSONL files: one JSON object per line, with configurable prompt and label keys.
 
 Every line is checked when the task is built, so a bad file fails at start-up with its path and
-line number, not in the middle of a run.
+line number, not in the middle of a run. The training file's size and sha256 are taken from the bytes
+read (:class:`Fingerprint`), so that a resumed run can tell whether the file changed since its checkpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Iterator
@@ -15,14 +17,32 @@ from miles_core.errors import ConfigError, DataError
 from miles_core.types import Prompt
 
 
-def read_rows(path: str) -> Iterator[tuple[str, object]]:
+class Fingerprint:
+    """Size and sha256 of the bytes of a file as they are read: exact for the data actually parsed, and no second
+    read of the file (which might already hold something else)."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self._sha = hashlib.sha256()
+
+    def update(self, raw: bytes) -> None:
+        self.size += len(raw)
+        self._sha.update(raw)
+
+    def as_dict(self, path: str) -> dict[str, object]:
+        return {"path": path, "size": self.size, "sha256": self._sha.hexdigest()}
+
+
+def read_rows(path: str, fingerprint: Fingerprint | None = None) -> Iterator[tuple[str, object]]:
     """``(where, value)`` for each non-blank line of a JSONL file, ``where`` being ``path:line`` for errors. Each line
     is decoded on its own, so a file saved in another encoding is named with its line (not a traceback); a byte-order
-    mark (Windows editors) is skipped."""
+    mark (Windows editors) is skipped. Every line read, blank ones included, goes into ``fingerprint``."""
     if not Path(path).is_file():
         raise DataError(f"data file '{path}' does not exist")
     with Path(path).open("rb") as fh:
         for lineno, raw in enumerate(fh, 1):
+            if fingerprint is not None:
+                fingerprint.update(raw)
             where = f"{path}:{lineno}"
             try:
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
@@ -36,9 +56,9 @@ def read_rows(path: str) -> Iterator[tuple[str, object]]:
                 raise DataError(f"{where}: not valid JSON ({exc.msg})") from None
 
 
-def read_prompts(path: str, prompt_key: str, label_key: str) -> list[Prompt]:
+def read_prompts(path: str, prompt_key: str, label_key: str, fingerprint: Fingerprint | None = None) -> list[Prompt]:
     prompts = []
-    for where, row in read_rows(path):
+    for where, row in read_rows(path, fingerprint):
         if not isinstance(row, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
         if prompt_key not in row:
@@ -55,12 +75,17 @@ def read_prompts(path: str, prompt_key: str, label_key: str) -> list[Prompt]:
 
 
 class JsonlTask:
-    """Prompts from ``data.train_path`` / ``data.eval_path``; the verifier is an exact match with the label."""
+    """Prompts from ``data.train_path`` / ``data.eval_path``; the verifier is an exact match with the label.
+
+    ``data_fingerprint`` identifies the training file (path, size, sha256): the prompt order a resumed run replays
+    depends on it. The eval file does not enter it (it changes no training prompt)."""
 
     name = "jsonl"
 
     def __init__(self, train_path: str, eval_path: str | None, prompt_key: str, label_key: str) -> None:
-        self.train = read_prompts(train_path, prompt_key, label_key)
+        fingerprint = Fingerprint()
+        self.train = read_prompts(train_path, prompt_key, label_key, fingerprint)
+        self.data_fingerprint = fingerprint.as_dict(train_path)
         self.eval = read_prompts(eval_path, prompt_key, label_key) if eval_path else []
 
     def eval_prompts(self) -> list[Prompt]:

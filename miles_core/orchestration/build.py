@@ -25,7 +25,7 @@ from miles_core.models.base import ModelFamily
 from miles_core.models.checkpoint import load_hf_folder
 from miles_core.models.gguf import gguf_file, load_gguf
 from miles_core.models.decoder import DecoderConfig
-from miles_core.orchestration.checkpoint import find_checkpoint
+from miles_core.orchestration.checkpoint import check_data_fingerprint, find_checkpoint, read_loop_state
 from miles_core.orchestration.placement import check_placement
 from miles_core.platforms import select_platform
 from miles_core.plugins.manager import MilesPlugins
@@ -100,6 +100,17 @@ def apply_resume(cfg: MilesConfig) -> None:
     cfg.run.load = cfg.run.save
 
 
+def check_resume_data(cfg: MilesConfig, task: Task) -> None:
+    """A resumed RL run replays the prompt stream from its checkpoint's position, which is exact only over the data
+    the checkpoint was saved with: checked here, before any engine or trainer is built (``miles validate`` too).
+    run.mode=rollout and sft take only the checkpoint's weights, not its position in the stream."""
+    ckpt = find_checkpoint(cfg.run.load)
+    if ckpt is None or cfg.run.mode != "rl":
+        return
+    saved = read_loop_state(ckpt).data_fingerprint
+    check_data_fingerprint(ckpt, saved, getattr(task, "data_fingerprint", None), cfg.data.allow_changed_on_resume)
+
+
 def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> Components:
     regs = plugins.registries
     apply_resume(cfg)
@@ -120,6 +131,7 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
     task = regs.tasks.get(cfg.data.task, key="data.task")(cfg.data)
     if not task.eval_prompts():
         raise ConfigError(f"task '{cfg.data.task}' has no held-out prompts (set data.eval_path)")
+    check_resume_data(cfg, task)
     reward_fn, reward_name = resolve_reward(cfg, plugins, task)
     model, family = (gguf_model, gguf_family) if gguf is not None else build_model(cfg, plugins, tokenizer)
     if model.config.vocab_size < tokenizer.vocab_size:

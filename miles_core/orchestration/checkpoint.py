@@ -4,19 +4,22 @@
     <save>/step_000010/      one checkpoint, renamed into place only when complete
         trainer/             sharded trainer state (torch.distributed.checkpoint, every rank)
         rng_rank<r>.pt       this rank's RNG states: torch, CUDA, python, the rollout engine's
-        loop.json            step, weight version, prompts consumed (the data position)
+        loop.json            step, weight version, prompts consumed (the data position), the data's fingerprint
         hf/                  the policy as an HF safetensors folder (+ tokenizer): the model to build
     <save>/hf/               the final model (orchestration/run.py)
 
 A save writes into ``.tmp-step_N`` and renames it, then rewrites ``latest``: a save killed at any
 point leaves the previous checkpoint and ``latest`` intact. The prompt stream is resumed by
 replaying it from the seed and skipping the prompts already consumed, which is exact for every
-task whose stream is a function of its ``random.Random``.
+task whose stream is a function of its ``random.Random`` and its data. The data is the task's
+``data_fingerprint`` (a JSONL file's size and sha256): a resume over changed data is refused
+(:func:`check_data_fingerprint`) unless ``data.allow_changed_on_resume`` accepts it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -25,11 +28,12 @@ from pathlib import Path
 
 import torch
 
-from miles_core.errors import ConfigError
+from miles_core.errors import ConfigError, DataError
 from miles_core.models.checkpoint import replace_dir
 from miles_core.train.distributed import barrier, current
 
 LATEST = "latest"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,6 +42,7 @@ class LoopState:
     version: int  # weight version pushed to the engines
     prompts_consumed: int  # training prompts taken from the stream so far
     eval_accuracy_first: float | None = None
+    data_fingerprint: dict | None = None  # the task's (None: a task without one, or a checkpoint saved before Miles recorded it)
 
 
 def find_checkpoint(path: str | Path | None) -> Path | None:
@@ -114,4 +119,46 @@ def load_checkpoint(ckpt: Path, trainer, backend) -> LoopState:
     if not rng_file.is_file():
         raise ConfigError(f"run.load: '{ckpt}' has no {rng_file.name}; resume with the world size it was saved with")
     _set_rng_state(torch.load(rng_file, weights_only=False), backend)
+    return read_loop_state(ckpt)
+
+
+def read_loop_state(ckpt: Path) -> LoopState:
+    """The loop's position saved in ``ckpt`` (no trainer needed: run.mode=rollout reads the weight version)."""
     return LoopState(**json.loads((ckpt / "loop.json").read_text()))
+
+
+def _describe(fingerprint: dict, path: bool = True) -> str:
+    where = f"'{fingerprint.get('path')}', " if path else ""
+    return f"{where}{fingerprint.get('size')} bytes, sha256 {str(fingerprint.get('sha256'))[:12]}..."
+
+
+def _same_data(saved: dict | None, current: dict | None) -> bool:
+    """Only the bytes count: the same file moved to another path replays the same order."""
+    key = lambda fp: None if fp is None else (fp.get("size"), fp.get("sha256"))  # noqa: E731
+    return key(saved) == key(current)
+
+
+def check_data_fingerprint(ckpt: Path, saved: dict | None, current: dict | None, allow_changed: bool) -> None:
+    """Refuse to resume from ``ckpt`` over other data than it was saved with: the replayed prompt stream would be
+    another order of prompts (or other prompts), silently. ``saved`` and ``current`` are task data fingerprints
+    (``{"path", "size", "sha256"}``, None for a task without a data file). A checkpoint without one (saved before
+    Miles recorded it) resumes unchecked, with a warning."""
+    if saved is None:
+        if current is not None:
+            log.warning("run.load: checkpoint '%s' records no data fingerprint (saved before Miles recorded one, or by a "
+                        "run without a data file): cannot check that the data (%s) is the one it was saved with",
+                        ckpt, _describe(current))
+        return
+    if _same_data(saved, current):
+        return
+    moved = current is not None and saved.get("path") != current.get("path")  # name the saved file only if it was another
+    what = (f"data.train_path '{current.get('path')}' changed since checkpoint '{ckpt}' was saved (then {_describe(saved, moved)}; "
+            f"now {_describe(current, False)})" if current is not None else
+            f"checkpoint '{ckpt}' was saved reading the data file {_describe(saved)}, and this run's task reads none")
+    if allow_changed:
+        log.warning("run.load: %s; data.allow_changed_on_resume=true: replaying the new data's prompt order from the "
+                    "saved position", what)
+        return
+    raise DataError(f"{what}: resuming would replay another prompt order. Restore the file, start fresh without "
+                    "--resume, or set data.allow_changed_on_resume=true to continue from the saved position in the new "
+                    "data's order")

@@ -23,7 +23,7 @@ from miles_core.algorithms.stats import advantage_metrics
 from miles_core.errors import DataError
 from miles_core.orchestration.aux_models import AuxModels, build_aux_models
 from miles_core.orchestration.build import Components, tokenizer_files
-from miles_core.orchestration.checkpoint import LoopState, find_checkpoint, load_checkpoint, save_checkpoint
+from miles_core.orchestration.checkpoint import LoopState, find_checkpoint, load_checkpoint, read_loop_state, save_checkpoint
 from miles_core.orchestration.placement import make_placement
 from miles_core.orchestration.rollout_io import save_rollouts
 from miles_core.orchestration.schedules import make_source
@@ -148,6 +148,16 @@ def rollout_metrics(c: Components, samples: list[Sample], metrics: dict[str, Any
     }
 
 
+def serve_checkpoint(c: Components, backend, ckpt: Path) -> int:
+    """run.mode=rollout from a checkpoint: the engine was built from its weights (build's ``model_source``) but
+    holds them as version 0. Push them under the checkpoint's version, so that the samples and records name the
+    weights that made them (and engines given by URL get those weights too); return that version."""
+    version = read_loop_state(ckpt).version
+    c.transport.push(c.model.state_dict(), version, backend)
+    c.ctx.plugins.after_weight_sync(c.ctx, version)
+    return version
+
+
 def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
     """Run warm-up and RL steps; ``on_metrics(record)`` receives each step's metrics dict.
 
@@ -161,7 +171,8 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
     version = 0
     summary: dict[str, Any] = {"status": "failed"}
     history: list[dict[str, Any]] = []
-    resume = find_checkpoint(cfg.run.load) if trainer is not None else None
+    ckpt = find_checkpoint(cfg.run.load)
+    resume = ckpt if trainer is not None else None
     consumed, start, first_eval = 0, 1, None
     source = None
     try:
@@ -179,6 +190,8 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             if backend is not None:
                 c.transport.push(trainer.weights(), version, backend)
                 ctx.plugins.after_weight_sync(ctx, version)
+        elif ckpt is not None and trainer is None and backend is not None:
+            version = serve_checkpoint(c, backend, ckpt)
         for w in range(t.sft_warmup_steps if resume is None and trainer is not None else 0):
             timer = Timer()
             prompts = _tokenize(list(itertools.islice(stream, t.sft_batch_size)), tok)
@@ -260,7 +273,7 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             history.append(record)
             on_metrics(record)
             if trainer is not None and cfg.run.save and ((cfg.run.save_interval and step % cfg.run.save_interval == 0) or step == cfg.run.num_rollout):
-                state = LoopState(step, version, consumed, first_eval)
+                state = LoopState(step, version, consumed, first_eval, getattr(c.task, "data_fingerprint", None))
                 save_checkpoint(Path(cfg.run.save), state, trainer, backend, c.family, tokenizer_files(tok))
         evals = [h for h in history if "eval_accuracy" in h]
         summary = {
