@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 
+from miles_core.serve.detokenize import REPLACEMENT, StreamText
 from miles_core.serve.protocol import BadRequest, GenerateItem, parse_sampling
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -81,17 +82,29 @@ def _logprobs(server, req, chat: bool):
     }
 
 
-def stable_text(server, req, upto: int | None) -> str:
-    """The text of ``req``'s first ``upto`` output tokens (all of them when None: finished) that later
-    tokens cannot change: a trailing incomplete character, or a tail that may be the start of a stop
-    string, is held back until the next token settles it. Stream deltas are cut from it, so joined they
-    equal the final text."""
-    text = server.text_of(req, upto)
-    if upto is None:
-        return text
-    text = text.rstrip("\ufffd")
-    hold = max((k for s in req.params.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-    return text[: len(text) - hold]
+def settled_end(text: StreamText, stop: list[str]) -> int:
+    """Where the part of ``text`` (a request's text so far) that later tokens cannot change ends: a trailing
+    incomplete character, or a tail that may be the start of a stop string, is held back until the next token
+    settles it. Stream deltas are cut up to it, so joined they equal the final text. Reads only the text's tail."""
+    end = text.end()
+    while end and text.slice(end - 1, end) == REPLACEMENT:
+        end -= 1
+    tail = text.slice(max(0, end - max(map(len, stop), default=1) + 1), end)
+    return end - max((k for s in stop for k in range(1, len(s)) if tail.endswith(s[:k])), default=0)
+
+
+def stream_delta(server, req, text: StreamText, new_ids: list[int], finished: bool, sent: int) -> tuple[str, int] | None:
+    """The next delta of a streamed completion and the characters sent after it, or None while nothing new is settled.
+    ``text``: the request's :meth:`MilesServer.stream_text`, given ``new_ids``; ``sent``: characters sent so far. The last
+    delta is cut from the whole output decoded once, so the stream ends on exactly the non-streamed answer's text."""
+    if finished:
+        full = server.text_of(req)
+        return full[sent:], max(sent, len(full))
+    text.push(new_ids)
+    end = settled_end(text, req.params.stop)
+    if end <= sent:
+        return None
+    return text.slice(sent, end), end
 
 
 def completions(handler, server, body, chat: bool) -> None:
@@ -106,7 +119,7 @@ def completions(handler, server, body, chat: bool) -> None:
     if stream:
         handler._start_stream()
         sent = {r.request_id: 0 for r in reqs}  # characters streamed so far
-        tokens = {r.request_id: 0 for r in reqs}  # output tokens this thread has seen (the engine may be ahead)
+        texts = {r.request_id: server.stream_text(r) for r in reqs}  # the text of the tokens this thread has seen (the engine may be ahead)
         index = {r.request_id: i for i, r in enumerate(reqs)}
         left = len(reqs)
         try:
@@ -114,11 +127,11 @@ def completions(handler, server, body, chat: bool) -> None:
                 out = sink.get()
                 left -= out.finished
                 rid, req = out.request_id, out.request
-                tokens[rid] += len(out.new_ids)
-                text = stable_text(server, req, None if out.finished else tokens[rid])
-                if len(text) <= sent[rid] and not out.finished:
+                step = stream_delta(server, req, texts[rid], out.new_ids, out.finished, sent[rid])
+                if step is None:
                     continue  # nothing settled yet
-                delta, first, sent[rid] = text[sent[rid]:], sent[rid] == 0, max(sent[rid], len(text))
+                (delta, sent_now), first = step, sent[rid] == 0
+                sent[rid] = sent_now
                 choice = {"index": index[rid], "finish_reason": _FINISH.get(req.finish_reason) if out.finished else None}
                 if chat:
                     choice["delta"] = {"role": "assistant", "content": delta} if first else {"content": delta}

@@ -4,7 +4,8 @@ Standard library only (``http.server``, one thread per connection); the engine r
 thread (:class:`ThreadedEngine`). Request bodies are JSON, at most ``max_request_bytes``; a body
 that is too large gets 413, malformed JSON or fields 400 with the reason, an unknown path 404.
 Streaming answers are server-sent events (``data: {...}`` lines, then ``data: [DONE]``), each
-event carrying the text and output ids so far, as SGLang's do.
+event carrying the text and output ids so far, as SGLang's do; the text is decoded incrementally
+(:mod:`miles_core.serve.detokenize`), a bounded window of recent tokens per event.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from miles_core.rollout.engine import trim_stop
 from miles_core.rollout.engine_core.request import Request
 from miles_core.rollout.engine_core.threaded import ThreadedEngine
 from miles_core.serve import openai
+from miles_core.serve.detokenize import StreamText
 from miles_core.serve.protocol import BadRequest, GenerateItem, parse_generate, response
 from miles_core.serve.weight_sync import DistributedReceiver
 
@@ -92,6 +94,11 @@ class MilesServer:
         text = self.tokenizer.decode([t for t in ids if t not in req.stop_ids])
         return trim_stop(text, req.params.stop) if req.params.stop else text
 
+    def stream_text(self, req: Request, trim: bool = True) -> StreamText:
+        """What :meth:`text_of` gives for the tokens streamed so far, kept as they arrive: each event then decodes a
+        bounded window of recent tokens, where a whole decode per event made a stream quadratic in its length."""
+        return StreamText(self.tokenizer.decode, req.params.stop, req.stop_ids if trim else (), keep_stop=not trim)
+
     def submit(self, items: list[GenerateItem]) -> list[tuple[GenerateItem, list[Request], queue.Queue]]:
         handles = []
         try:
@@ -123,6 +130,14 @@ class MilesServer:
                         self.abort(handles)
                         raise Abandoned from None
         return [(it, r) for it, reqs, _ in handles for r in reqs]
+
+
+def _stream_event_text(text: StreamText, new_ids: list[int]) -> str:
+    """The cumulative text of an intermediate /generate event (SGLang streams the text so far, not a delta): ``text``
+    given the event's new tokens. A finished request's event decodes its whole output instead, once, so its text is
+    exactly the non-streamed answer's whatever the tokenizer (see :mod:`miles_core.serve.detokenize`)."""
+    text.push(new_ids)
+    return text.text()
 
 
 def _make_handler(server: MilesServer):
@@ -254,6 +269,7 @@ def _make_handler(server: MilesServer):
                 try:
                     left = len(reqs)
                     index = {r.request_id: i for i, r in enumerate(reqs)} if len(reqs) > 1 else {}  # SGLang's "index" of n samples
+                    texts = {r.request_id: server.stream_text(r, not _it.no_stop_trim) for r in reqs}  # their text, decoded as it comes
                     emitted: dict[str, int] = {}  # output tokens per request so far, from the outputs themselves:
                     while left:  # the engine thread may be steps ahead of this one (and done) by the time an event is written
                         out = sink.get()
@@ -262,7 +278,8 @@ def _make_handler(server: MilesServer):
                         emitted[out.request_id] = n
                         part = None if out.finished else n
                         v = version() if part is not None else req.weight_version
-                        event = response(req, server.text_of(req, part, not _it.no_stop_trim), _it.return_logprob, v, time.perf_counter() - t0, part)
+                        text = server.text_of(req, None, not _it.no_stop_trim) if out.finished else _stream_event_text(texts[out.request_id], out.new_ids)
+                        event = response(req, text, _it.return_logprob, v, time.perf_counter() - t0, part)
                         if index:
                             event["index"] = index[out.request_id]
                         self._event(event)
