@@ -42,6 +42,7 @@
 #   bash benchmarks/gpu_session.sh h200only s26c  # the rollout bench with HF at batch 64 alone, on an H200 (the last minutes)
 #   bash benchmarks/gpu_session.sh s27      # on an H200 the bench with HF at 64, 1, 256; the split-decode GPU tests; the engine
 #                                           # alone at 64 and 256 with and without two-stream half-batches, alternated twice
+#   bash benchmarks/gpu_session.sh s27b     # s27 with the H200 bench at batch 64 only (a short budget)
 #   bash benchmarks/gpu_session.sh s25b     # short s25: the engine and algorithm GPU tests; on an H200 the bench at 64, 256
 #   bash benchmarks/gpu_session.sh s25c     # shortest: the update/release/resume GPU test; on an H200 the bench at 64
 #   bash benchmarks/gpu_session.sh s24b     # the update/release/resume GPU test; on an H200 only, the rollout bench with HF at 64, 256
@@ -219,8 +220,8 @@ print(min(t)[1].strip('()').replace(' ', '') if t else '')")
       nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { echo "not an H200: stopping"; exit 3; } ;;
     s26c)
       bench_on_h200 64 ;;
-    s27)
-      bench_on_h200 64,1,256
+    s27|s27b)
+      if [ "$part" = s27 ]; then bench_on_h200 64,1,256; else bench_on_h200 64; fi
       timeout 120 python3 -m pytest -q -rf --tb=short -m gpu tests/rollout/test_gpu_engine.py -k "split or fused_layer" 2>&1 | tee "$OUT/split_tests.log" | tail -4
       # the engine alone with and without the two-stream half-batches, alternated twice (same card, same process kind)
       for r in 1 2; do
