@@ -40,7 +40,7 @@
 #   bash benchmarks/gpu_session.sh h200only s26   # stop at once (exit 3) unless the card is an H200: a cheap probe for one
 #   bash benchmarks/gpu_session.sh h200only s26b  # the rollout bench with HF at 64, 1, 256 alone, on an H200 (a short budget)
 #   bash benchmarks/gpu_session.sh h200only s26c  # the rollout bench with HF at batch 64 alone, on an H200 (the last minutes)
-#   bash benchmarks/gpu_session.sh s27      # on an H200 the bench with HF at 64, 1, 256; the split-decode GPU tests; the engine
+#   bash benchmarks/gpu_session.sh s27      # on an H200 the bench with HF at 64, 1, 256 (and at 64 with the split); split GPU tests; the engine
 #                                           # alone at 64 and 256 with and without two-stream half-batches, alternated twice
 #   bash benchmarks/gpu_session.sh s27b     # s27 with the H200 bench at batch 64 only (a short budget)
 #   bash benchmarks/gpu_session.sh s25b     # short s25: the engine and algorithm GPU tests; on an H200 the bench at 64, 256
@@ -69,9 +69,13 @@ install_megatron() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /root/stage/mc/megatron_core-*.whl
 }
 # the rollout bench with HF at batches $1, only on an H200 (the issue's card): its figures are not comparable elsewhere
+# (extra arguments go to rollout_bench.py; the log is named after them)
 bench_on_h200() {
+  local b=$1; shift
+  local tag=""; [ $# -gt 0 ] && tag="_$(printf %s "$*" | tr -c 'a-z0-9' _)"
+  local log="$OUT/rollout_bench_hf$tag.log"
   case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in
-    *H200*) OUT= timeout 200 python3 benchmarks/rollout_bench.py --preset gpu --batches "$1" 2>&1 | tee "$OUT/rollout_bench_hf.log" | tail -6 ;;
+    *H200*) OUT= timeout 200 python3 benchmarks/rollout_bench.py --preset gpu --batches "$b" "$@" 2>&1 | tee "$log" | tail -6 ;;
     *) echo "not an H200: the rollout bench is skipped" ;;
   esac
 }
@@ -229,7 +233,11 @@ print(min(t)[1].strip('()').replace(' ', '') if t else '')")
           mkdir -p "$OUT/split$sp-$r" && OUT=$OUT/split$sp-$r timeout 150 python3 benchmarks/rollout_bench.py --preset gpu --batches 64,256 \
             --skip-hf --split-decode $sp 2>&1 | tee "$OUT/split$sp-$r/bench.log" | grep '^{' | cut -c1-90 | sed "s/^/split $sp run $r: /"
         done
-      done ;;
+      done
+      # PDL chains kernels within a stream: the halves without it, once
+      mkdir -p "$OUT/split2-nopdl" && OUT=$OUT/split2-nopdl timeout 150 python3 benchmarks/rollout_bench.py --preset gpu --batches 64,256 \
+        --skip-hf --split-decode 2 --no-pdl 2>&1 | tee "$OUT/split2-nopdl/bench.log" | grep '^{' | cut -c1-90 | sed "s/^/split 2 no pdl: /"
+      bench_on_h200 64 --split-decode 2 ;;  # the issue's comparison with the halves, on an H200
     s26b)
       bench_on_h200 64,1,256 ;;
     s26)
