@@ -138,6 +138,7 @@ class StreamText:
         self._drop = frozenset(drop)
         self._keep_stop = keep_stop
         self._found: dict[str, int] = {}  # stop string -> where it first occurs in the committed text
+        self._replacements = 0  # how many U+FFFD end the committed text (bytes that made no character, held back)
 
     def push(self, ids: Iterable[int]) -> None:
         """Add the next output tokens."""
@@ -145,7 +146,11 @@ class StreamText:
         if not ids:
             return
         at = len(self._text)
-        self._text.append(self._decoder.push(ids))
+        new = self._decoder.push(ids)
+        self._text.append(new)
+        if new:
+            kept = len(new.rstrip(REPLACEMENT))
+            self._replacements = len(new) - kept + (self._replacements if not kept else 0)
         for s in self._stop:
             if s not in self._found:
                 start = max(0, at - len(s) + 1)
@@ -171,6 +176,26 @@ class StreamText:
             if i >= 0:
                 cuts.append(i + len(s) if self._keep_stop else i)
         return min(cuts)
+
+    def before_replacements(self, end: int) -> int:
+        """``end`` moved back over the U+FFFD characters just before it. At the end of the committed text this is
+        the count kept as text is committed, not a walk over the run: a model emitting invalid bytes makes a run as
+        long as its output, which every event would read again."""
+        committed = len(self._text)
+        if end > committed:
+            kept = len(self._decoder.pending[: end - committed].rstrip(REPLACEMENT))
+            if kept:
+                return committed + kept
+            end = committed
+        if end == committed:
+            return committed - self._replacements
+        k = 64  # a cut inside the committed text (before a stop string): read back in growing pieces
+        while True:
+            start = max(0, end - k)
+            kept = len(self._text.slice(start, end).rstrip(REPLACEMENT))
+            if kept or start == 0:
+                return start + kept
+            k *= 2
 
     def _first(self, s: str) -> int:
         """Where ``s`` first occurs in the decoded text, -1 if nowhere: in the committed text (found as it was

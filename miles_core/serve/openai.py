@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from miles_core.serve.detokenize import REPLACEMENT, StreamText
+from miles_core.serve.detokenize import StreamText
 from miles_core.serve.protocol import BadRequest, GenerateItem, parse_sampling
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -86,9 +86,7 @@ def settled_end(text: StreamText, stop: list[str]) -> int:
     """Where the part of ``text`` (a request's text so far) that later tokens cannot change ends: a trailing
     incomplete character, or a tail that may be the start of a stop string, is held back until the next token
     settles it. Stream deltas are cut up to it, so joined they equal the final text. Reads only the text's tail."""
-    end = text.end()
-    while end and text.slice(end - 1, end) == REPLACEMENT:
-        end -= 1
+    end = text.before_replacements(text.end())
     tail = text.slice(max(0, end - max(map(len, stop), default=1) + 1), end)
     return end - max((k for s in stop for k in range(1, len(s)) if tail.endswith(s[:k])), default=0)
 

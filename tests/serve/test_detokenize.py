@@ -335,6 +335,44 @@ def test_decode_work_per_push_does_not_grow_with_the_stream(smollm2):
     assert sum(per_push) <= 12 * len(ids)  # linear in the output's length, not quadratic
 
 
+def test_openai_deltas_over_a_long_run_of_invalid_bytes_read_a_bounded_tail(byte_level, monkeypatch):
+    """A model emitting bytes that never make a character (a run of lone continuation bytes: one U+FFFD each) leaves the
+    text ending in ever more committed U+FFFD. The deltas hold them back, as the old code did, but finding where the
+    settled text ends must not walk back over the whole run at every event: settled_end did, one slice per character,
+    so a 2000-token stream made ~2000 reads of the text at its last events (quadratic; slower than the whole decode
+    per event it replaced)."""
+    tok = byte_level
+    cont = tok.tok.convert_tokens_to_ids(_BYTE_CHARS[0x80])
+    assert tok.decode([cont, cont]) == "\ufffd\ufffd"
+    server = SimpleNamespace(tokenizer=tok)
+    server.text_of = lambda req, upto=None, trim=True: MilesServer.text_of(server, req, upto, trim)
+    ids = tok.encode("ok ") + [cont] * 2000 + tok.encode(" end")
+    for stop in ([], ["never"], ["\ufffdx"]):
+        req = Request("r", [1], SamplingParams(stop=stop), 0, frozenset())
+        req.output_ids = list(ids)
+        steps = [8] * (len(ids) // 8) + ([len(ids) % 8] if len(ids) % 8 else [])
+        reads, per_event = [0], []
+        slice_ = AppendOnlyText.slice
+
+        def counted(self, start, stop_):
+            reads[0] += 1
+            return slice_(self, start, stop_)
+
+        monkeypatch.setattr(AppendOnlyText, "slice", counted)
+        text, sent, deltas, n = MilesServer.stream_text(server, req), 0, [], 0
+        for k, size in enumerate(steps):
+            before = reads[0]
+            step = stream_delta(server, req, text, ids[n: n + size], k == len(steps) - 1, sent)
+            per_event.append(reads[0] - before)
+            n += size
+            if step is not None:
+                deltas.append(step[0])
+                sent = step[1]
+        monkeypatch.setattr(AppendOnlyText, "slice", slice_)
+        assert deltas == _old_deltas(tok, req, steps), stop
+        assert max(per_event) <= 16, (stop, max(per_event))
+
+
 @pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])
 def test_a_long_stream_decodes_a_bounded_window_per_event(client, server, path):
     """Every event of a 400-token stream decodes a few recent ids, not all the output so far (the old server
