@@ -226,3 +226,38 @@ def test_rollout_mode_from_a_checkpoint_labels_samples_with_its_weight_version(t
     summary, _ = run_loop(build(cfg, MilesPlugins(extra_plugins=[("recorder", Recorder())]), tmp_path / "b"), records.append)
     assert seen == [{saved}, {saved}]
     assert {r["weight_version"] for r in records} == {saved} and summary["weight_version"] == saved
+
+
+def test_a_plugin_task_s_changed_data_fingerprint_is_refused_on_resume(tmp_path):
+    """``data_fingerprint`` is any JSON-able dict a task sets to identify its data (data/base.py, the tasks hookspec), not
+    only the JSONL task's size and sha256: a plugin task whose fingerprint names another revision of its dataset must be
+    refused on resume as a changed JSONL file is. The comparison read only ``size`` and ``sha256``, which such a dict
+    lacks (None == None), so every change of it resumed silently. Its ``path``, as for JSONL, does not count."""
+    import dataclasses
+
+    from miles_core.data.synthetic import addition_factory
+    from miles_core.errors import DataError
+    from miles_core.hookspecs import hookimpl
+
+    class Versioned:
+        @hookimpl
+        def miles_register_tasks(self, registry):
+            def factory(cfg):
+                task = addition_factory(dataclasses.replace(cfg, task_options={}))
+                task.data_fingerprint = {"dataset": "sums", "revision": cfg.task_options["revision"],
+                                         "path": cfg.task_options.get("path", "sums")}
+                return task
+
+            registry.add("versioned", factory)
+
+    def run(out, *extra):
+        cfg = tiny_config(out, "data.task=versioned", f"run.save={tmp_path / 'save'}", "run.save_interval=1", *extra)
+        records = []
+        run_loop(build(cfg, MilesPlugins(extra_plugins=[("versioned", Versioned())]), out), records.append)
+        return [r["step"] for r in records if r["phase"] == "rl"]
+
+    run(tmp_path / "a", "data.task_options={revision: 1}", "run.num_rollout=1")
+    resume = ["run.resume=true", "run.num_rollout=2"]
+    with pytest.raises(DataError, match="resuming would replay another prompt order"):
+        run(tmp_path / "b", "data.task_options={revision: 2}", *resume)
+    assert run(tmp_path / "c", "data.task_options={revision: 1, path: elsewhere}", *resume) == [2]  # moved: the same data

@@ -128,13 +128,21 @@ def read_loop_state(ckpt: Path) -> LoopState:
 
 
 def _describe(fingerprint: dict, path: bool = True) -> str:
-    where = f"'{fingerprint.get('path')}', " if path else ""
+    where = f"'{fingerprint.get('path')}', " if path and "path" in fingerprint else ""
+    if "size" not in fingerprint and "sha256" not in fingerprint:  # a plugin task's own fields
+        return where + json.dumps(_data_key(fingerprint), sort_keys=True)
     return f"{where}{fingerprint.get('size')} bytes, sha256 {str(fingerprint.get('sha256'))[:12]}..."
 
 
+def _data_key(fingerprint: dict) -> dict:
+    """What identifies the data: every field but where it was read from, as loop.json holds it (JSON types)."""
+    return json.loads(json.dumps({k: v for k, v in fingerprint.items() if k != "path"}))
+
+
 def _same_data(saved: dict | None, current: dict | None) -> bool:
-    """Only the bytes count: the same file moved to another path replays the same order."""
-    key = lambda fp: None if fp is None else (fp.get("size"), fp.get("sha256"))  # noqa: E731
+    """Only the data counts (a JSONL file's bytes, or whatever else a task's fingerprint records), not its path: the
+    same file moved to another path replays the same order."""
+    key = lambda fp: None if fp is None else _data_key(fp)  # noqa: E731
     return key(saved) == key(current)
 
 
@@ -152,7 +160,9 @@ def check_data_fingerprint(ckpt: Path, saved: dict | None, current: dict | None,
     if _same_data(saved, current):
         return
     moved = current is not None and saved.get("path") != current.get("path")  # name the saved file only if it was another
-    what = (f"data.train_path '{current.get('path')}' changed since checkpoint '{ckpt}' was saved (then {_describe(saved, moved)}; "
+    data = ("the task's data" if current is None or "path" not in current else  # (JSONL: the training file)
+            f"data.train_path '{current['path']}'" if "sha256" in current else f"the task's data '{current['path']}'")
+    what = (f"{data} changed since checkpoint '{ckpt}' was saved (then {_describe(saved, moved)}; "
             f"now {_describe(current, False)})" if current is not None else
             f"checkpoint '{ckpt}' was saved reading the data file {_describe(saved)}, and this run's task reads none")
     if allow_changed:
