@@ -41,6 +41,7 @@ class IncrementalDecoder:
         self._read = 0  # ids before this index (within the window) have their text committed
         self._prefix_text = ""  # decode(ids[:read]): the context whose text the window's decode starts with
         self.pending = ""  # the text of ids[read:] as the window decodes it (may end in U+FFFD)
+        self._quiet = 0  # text-less tokens committed since the window last restarted (see _commit)
 
     def push(self, ids: Iterable[int]) -> str:
         """Add ``ids``; -> the text they (with those held before) commit, "" while it may still change."""
@@ -61,10 +62,13 @@ class IncrementalDecoder:
         ``4 * max_held`` tokens of such, it restarts anyway: bounded work first."""
         new = head[len(self._prefix_text):]
         context = self._decode(self._ids[self._read:upto])
-        if context or len(self._ids) > 4 * self.max_held:
+        quiet = 0 if context else self._quiet + upto - self._read
+        if context or quiet > 4 * self.max_held:
             self._ids, upto, self._prefix_text = self._ids[self._read:], upto - self._read, context
+            quiet = 0
         else:
             self._prefix_text = head
+        self._quiet = quiet
         self._read = upto
         self.pending = "" if upto == len(self._ids) else self._decode(self._ids)[len(self._prefix_text):]
         return new

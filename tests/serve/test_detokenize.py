@@ -182,6 +182,19 @@ def test_the_decoder_tracks_a_byte_fallback_tokenizer(byte_fallback):
         _assert_tracks_full_decode(tok, [t for frag in frags for t in frag], rng, mid_character=False)
 
 
+def test_a_long_push_then_special_tokens_keep_the_next_word_s_space(byte_fallback):
+    """A push longer than the decoder's bound (``decode_steps`` of 32 or more), then a push of special tokens
+    only (no text alone), then a word: the word keeps its leading space, as in the full decode. The window may
+    only restart at text-less tokens after a long run of them, not because the push before was long."""
+    tok = byte_fallback
+    long = tok.encode("the quick brown fox jumps " * 8)
+    assert len(long) > 32
+    bos, word = tok.tok.convert_tokens_to_ids("<s>"), tok.encode(" fox")
+    dec = IncrementalDecoder(tok.decode)
+    text = dec.push(long) + dec.push([bos]) + dec.push(word)
+    assert text + dec.pending == tok.decode(long + [bos] + word)
+
+
 def test_invalid_bytes_and_replacement_characters_do_not_hold_the_window_open(byte_level):
     """A long run of bytes that never make a character (or of U+FFFD itself) would keep the text ending in U+FFFD:
     after ``max_held`` tokens some are committed anyway, at a boundary later tokens confirm, still exact."""

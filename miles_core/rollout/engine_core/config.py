@@ -40,9 +40,9 @@ class EngineConfig:
     # for <= 64 rows so that it joins the chain (triton_pdl.py)
     pdl: bool = True
     pdl_prefetch: bool = True  # with pdl: the GEMMs' L2 weight prefetch (off: PDL alone, to measure each)
-    # GPU, with CUDA graphs and Triton: a decode step of at least this many rows runs as two half-batches on two
-    # streams (branches of its graph) so one half's attention overlaps the other's GEMMs (runner._decode_halves);
-    # 0: never
+    # GPU, with CUDA graphs and Triton: a decode step whose graph bucket (graph_batch_sizes) has at least this many
+    # rows runs as two half-batches on two streams (branches of its graph), so one half's attention overlaps the
+    # other's GEMMs (runner._decode_halves); 0: never
     split_decode_rows: int = 0
     prefix_caching: bool = True  # reuse full KV pages of identical prefixes across requests
     # Decode through the same scaled_dot_product_attention call as prefill and the trainer (no CUDA

@@ -358,7 +358,8 @@ class ModelRunner:
 
     def split_at(self, bs: int) -> bool:
         """Whether a decode step of ``bs`` rows runs as two half-batches on two CUDA streams (see
-        :meth:`_decode_halves`): with CUDA graphs and the Triton kernels, from ``split_decode_rows`` rows on."""
+        :meth:`_decode_halves`): with CUDA graphs and the Triton kernels, from ``split_decode_rows`` rows on. ``bs``
+        is the graph's bucket (engine.graph_batch_sizes), so a step of 97 rows, padded to 128, splits at 100."""
         n = self.cfg.split_decode_rows
         return bool(n) and bs >= max(n, 2) and self.use_graphs and self.use_triton
 
