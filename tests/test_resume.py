@@ -175,6 +175,19 @@ def test_a_resume_refuses_a_changed_data_file_unless_told_to_accept_it(tmp_path,
     assert new["size"] == data.stat().st_size and new != saved  # the new checkpoint records the file it read
 
 
+def test_a_train_only_resume_from_saved_rollouts_does_not_check_the_prompt_file(tmp_path):
+    """run.load_rollouts trains on saved samples and draws no prompts: a changed prompt file cannot change what it
+    replays, so its resume is not refused."""
+    data = _jsonl(tmp_path / "train.jsonl", ["ab", "abc", "ba", "cab", "bca", "aab"])
+    jsonl = ["data.task=jsonl", f"data.train_path={data}", f"data.eval_path={data}"]
+    save, rollouts = tmp_path / "save", tmp_path / "rollouts"
+    _run(tmp_path / "a", *jsonl, f"run.save={save}", "run.save_interval=1", "run.num_rollout=2", f"run.save_rollouts={rollouts}")
+    (save / "latest").write_text(find_checkpoint(save).name.replace("2", "1"))  # back to step 1
+    _jsonl(data, ["ab", "abc", "ba", "cab", "bca", "aab", "bb"])
+    resumed = _run(tmp_path / "b", *jsonl, f"run.save={save}", "run.resume=true", "run.num_rollout=2", f"run.load_rollouts={rollouts}")
+    assert [r["step"] for r in resumed] == [2]
+
+
 def test_a_checkpoint_without_a_data_fingerprint_still_resumes(tmp_path, caplog):
     """Checkpoints saved before Miles recorded the data have no fingerprint: they resume unchecked, with a warning."""
     import json

@@ -103,9 +103,10 @@ def apply_resume(cfg: MilesConfig) -> None:
 def check_resume_data(cfg: MilesConfig, task: Task) -> None:
     """A resumed RL run replays the prompt stream from its checkpoint's position, which is exact only over the data
     the checkpoint was saved with: checked here, before any engine or trainer is built (``miles validate`` too).
-    run.mode=rollout and sft take only the checkpoint's weights, not its position in the stream."""
+    run.mode=rollout and sft take only the checkpoint's weights, not its position in the stream, and
+    run.load_rollouts trains on saved samples, drawing no prompts."""
     ckpt = find_checkpoint(cfg.run.load)
-    if ckpt is None or cfg.run.mode != "rl":
+    if ckpt is None or cfg.run.mode != "rl" or cfg.run.load_rollouts:
         return
     saved = read_loop_state(ckpt).data_fingerprint
     check_data_fingerprint(ckpt, saved, getattr(task, "data_fingerprint", None), cfg.data.allow_changed_on_resume)
