@@ -2,8 +2,9 @@
 (a temporary folder renamed into place), and the engines load it (``/update_weights_from_disk``
 for HTTP engines, ``BuiltinEngine.update_weights_from_disk`` in process).
 
-Folders are ``<sync.disk_dir or output_dir/weights>/v<version>``; the two newest are kept (an
-engine restarted during a push may still read the previous one). ``config.json`` and the
+Folders are ``<sync.disk_dir or output_dir/weights>/v<version>``; the one written and the newest
+before it are kept (an engine restarted during a push may still read the previous one), higher
+versions left in the folder by an earlier run are removed. ``config.json`` and the
 tokenizer files of the engine's model folder are copied in, so a real SGLang server can load the
 folder as a model.
 """
@@ -43,10 +44,19 @@ def write_weights(weights: Mapping[str, torch.Tensor], root: str | Path, version
 
     dest = root / f"v{version}"
     atomic_dir(dest, write)
-    old = sorted((p for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
-    for p in old[:-KEEP]:
-        shutil.rmtree(p, ignore_errors=True)
+    _prune(root, version)
     return str(dest)
+
+
+def _prune(root: Path, version: int) -> None:
+    """Keep ``v<version>`` and the newest version before it. Higher versions are not this run's (an earlier run
+    in the same ``sync.disk_dir``, or steps past the checkpoint a run resumed from): ordered by number, they
+    would count as the newest and the folder just written would be removed before any engine loaded it."""
+    found = sorted((p for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
+    keep = [p for p in found if int(p.name[1:]) <= version][-KEEP:]
+    for p in found:
+        if p not in keep:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 class DiskTransport:

@@ -66,6 +66,22 @@ def test_disk_in_process(tmp_path):
     assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["v4", "v5"]  # the two newest are kept
 
 
+def test_disk_push_below_versions_left_in_the_folder_keeps_its_own(tmp_path):
+    # sync.disk_dir is a fixed folder (a shared filesystem that remote engines read) that an earlier run left at v7, v8,
+    # or a run resumed from an earlier checkpoint: pruning "the two newest" by number removed the v5 just written, so
+    # the engine's load failed
+    model, tok = tiny_model(0)
+    engine = BuiltinEngine(model, tok, torch.device("cpu"))
+    transport = DiskTransport(tmp_path / "w")
+    for v in (7, 8):
+        transport.push(model.state_dict(), v, engine)
+    new, _ = tiny_model(7)
+    transport.push(new.state_dict(), 5, engine)
+    assert engine.weight_version == 5 and greedy_ids(engine) == reference(new, tok)
+    transport.push(new.state_dict(), 6, engine)
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["v5", "v6"]  # this run's two newest; not the stale v7, v8
+
+
 def test_disk_http(served):
     backend, model, tok, root = served
     old = greedy_ids(backend)
