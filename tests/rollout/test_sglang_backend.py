@@ -94,6 +94,24 @@ def test_sampled_logprobs_are_the_models(backend, tiny):
         assert torch.allclose(torch.tensor(s.rollout_logprobs), ref, atol=1e-4)
 
 
+def test_deterministic_seeds_are_sent_and_sample_as_the_builtin_engine(backend, tiny):
+    # orchestration.deterministic puts a seed in each prompt's metadata (the built-in engine samples sample i of the
+    # group with seed + i); the sglang backend sent none, so its samples changed from run to run and engine to engine
+    model, tok, _ = tiny
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+
+    def prompts(order):
+        return [Prompt(PROMPTS[i].text, prompt_ids=tok.encode(PROMPTS[i].text), metadata={"sampling_seed": 1000 + i}) for i in order]
+
+    got = backend.generate(prompts(range(5)), params, n=3)
+    ref = BuiltinEngine(model, tok, torch.device("cpu")).generate(prompts(range(5)), params, n=3)
+    assert [s.response_ids for s in got] == [s.response_ids for s in ref]
+    moved = backend.generate(prompts([1, 2, 3, 4, 0]), params, n=3)  # every group on the other engine
+    assert [s.response_ids for s in moved] == [s.response_ids for s in got[3:] + got[:3]]
+    assert {s.metadata["engine"] for s in moved[:3]} != {s.metadata["engine"] for s in got[3:6]}
+    assert all(len({tuple(s.response_ids) for s in got[g:g + 3]}) > 1 for g in range(0, 15, 3))  # seed + i: the samples differ
+
+
 def test_abort_all_returns_partial_samples(backend):
     params = SamplingParams(max_new_tokens=12000, temperature=1.0, ignore_eos=True)  # several seconds unaborted
     result = {}

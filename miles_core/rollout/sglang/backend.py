@@ -18,6 +18,7 @@ has: in-flight requests come back with their partial tokens and ``finish_reason=
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Mapping
@@ -30,12 +31,13 @@ import torch
 
 from miles_core.errors import MilesUserError
 from miles_core.orchestration.recovery import EngineMonitor
+from miles_core.orchestration.seeds import SEED_KEY
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engine import trim_stop
 from miles_core.rollout.sglang.config import SglangConfig
 from miles_core.rollout.sglang.http import EngineDown, healthy, request
 from miles_core.rollout.sglang.launch import LaunchedServer, launch, resolve_launcher, wait_healthy
-from miles_core.rollout.sglang.protocol import parse_output, sampling_params
+from miles_core.rollout.sglang.protocol import generate_body, parse_output
 from miles_core.types import Prompt, Sample
 
 
@@ -209,9 +211,11 @@ class SglangBackend:
         self._calls += 1
         call = self._calls
         ids = [p.prompt_ids or self.tokenizer.encode(p.text) for p in prompts]
+        seeds = [p.metadata.get(SEED_KEY) for p in prompts]  # deterministic mode (miles_core.orchestration.seeds)
         workers = max(1, min(len(prompts), 64))
         with ThreadPoolExecutor(workers, thread_name_prefix="miles-sglang") as pool:
-            futures = [pool.submit(self._group, gi, ids[gi], params, n) for gi in range(len(prompts))]
+            futures = [pool.submit(self._group, gi, ids[gi], params if seeds[gi] is None else dataclasses.replace(params, seed=seeds[gi]), n)
+                       for gi in range(len(prompts))]
             answers = [f.result() for f in futures]
         samples: list[Sample] = []
         for gi, (prompt, (eng, attempts, outs)) in enumerate(zip(prompts, answers)):
@@ -236,9 +240,7 @@ class SglangBackend:
 
     def _group(self, gi: int, prompt_ids: list[int], params: SamplingParams, n: int):
         """(engine index, attempts, n parsed answers) for one prompt group; resubmits after a crash."""
-        body = {"input_ids": list(prompt_ids), "sampling_params": sampling_params(params, n), "return_logprob": True}
-        if params.top_logprobs:
-            body["top_logprobs_num"] = params.top_logprobs
+        body = generate_body(prompt_ids, params, n)
         attempts = drops = 0
         eng = self.engines[gi % len(self.engines)]
         while True:

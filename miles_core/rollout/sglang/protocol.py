@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from miles_core.errors import MilesUserError
@@ -24,6 +25,21 @@ def sampling_params(p: SamplingParams, n: int) -> dict[str, Any]:
     if p.seed is not None:
         sp["sampling_seed"] = p.seed
     return sp
+
+
+def generate_body(prompt_ids: list[int], params: SamplingParams, n: int) -> dict[str, Any]:
+    """The ``/generate`` body of one prompt group. With a sampling seed, sample ``i`` samples with ``seed + i``, as
+    the built-in engine gives it (deterministic mode): the group goes as a batch of ``n`` prompts with a seed each,
+    since one request with ``n`` has one seed (SGLang then samples the same tokens ``n`` times)."""
+    if params.seed is None:
+        body: dict[str, Any] = {"input_ids": list(prompt_ids), "sampling_params": sampling_params(params, n)}
+    else:
+        body = {"input_ids": [list(prompt_ids)] * n,
+                "sampling_params": [sampling_params(dataclasses.replace(params, seed=params.seed + i), 1) for i in range(n)]}
+    body["return_logprob"] = True
+    if params.top_logprobs:
+        body["top_logprobs_num"] = params.top_logprobs
+    return body
 
 
 def parse_output(out: Any, url: str) -> tuple[list[int], list[float], str, int | None]:
