@@ -230,6 +230,61 @@ def test_bad_server_answers_are_one_clear_error(mode, match):
         srv.shutdown()
 
 
+class _Stalls(_Bad):
+    """A server whose /generate runs for 5 s (a long rollout) unless /abort_request comes first."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path == "/abort_request":
+            self.server.aborted.set()
+            self._reply(200, {"success": True})
+            return
+        self.server.aborted.wait(5.0)
+        self._reply(200, {"output_ids": [], "meta_info": {"output_token_logprobs": [], "finish_reason": {"type": "abort"},
+                                                         "weight_version": "0"}})
+
+
+def _serve(handler, mode=None):
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.mode, srv.aborted = mode, threading.Event()
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+def test_a_failed_group_does_not_wait_for_the_others():
+    # one engine answers a group with an error while another generates for minutes: generate raised only once every
+    # other group had finished (up to request_timeout_s), and left the other server generating
+    bad, bad_url = _serve(_Bad, "error")
+    slow, slow_url = _serve(_Stalls)
+    try:
+        b = SglangBackend(SglangConfig(urls=[bad_url, slow_url]), CharTokenizer(), "", "/tmp")
+        t0 = time.monotonic()
+        with pytest.raises(MilesUserError, match="out of memory"):
+            b.generate(PROMPTS[:2], SamplingParams(max_new_tokens=2))
+        assert time.monotonic() - t0 < 2.5 and slow.aborted.is_set()  # the other server was told to stop
+    finally:
+        bad.shutdown()
+        slow.shutdown()
+
+
+def test_ctrl_c_during_generate_does_not_wait_for_the_rollout():
+    # Ctrl-C (or SIGTERM, which `miles run` turns into KeyboardInterrupt) during a long rollout waited for every group
+    # to finish before the run could stop its engines: a scheduler's SIGKILL after its grace period then left them running
+    slow, url = _serve(_Stalls)
+    main = threading.get_ident()
+    timer = threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT))
+    try:
+        b = SglangBackend(SglangConfig(urls=[url]), CharTokenizer(), "", "/tmp")
+        t0 = time.monotonic()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            b.generate(PROMPTS[:3], SamplingParams(max_new_tokens=2))
+        assert time.monotonic() - t0 < 2.5 and slow.aborted.is_set()
+    finally:
+        timer.cancel()
+        slow.shutdown()
+
+
 class _StaysUp:
     """Stands in for a launched server's process that keeps running."""
 

@@ -212,11 +212,19 @@ class SglangBackend:
         call = self._calls
         ids = [p.prompt_ids or self.tokenizer.encode(p.text) for p in prompts]
         seeds = [p.metadata.get(SEED_KEY) for p in prompts]  # deterministic mode (miles_core.orchestration.seeds)
-        workers = max(1, min(len(prompts), 64))
-        with ThreadPoolExecutor(workers, thread_name_prefix="miles-sglang") as pool:
+        pool = ThreadPoolExecutor(max(1, min(len(prompts), 64)), thread_name_prefix="miles-sglang")
+        try:
             futures = [pool.submit(self._group, gi, ids[gi], params if seeds[gi] is None else dataclasses.replace(params, seed=seeds[gi]), n)
                        for gi in range(len(prompts))]
             answers = [f.result() for f in futures]
+        except BaseException:
+            # a group failed, or Ctrl-C / SIGTERM: the other groups may run for minutes; waiting for them kept the run
+            # from stopping its engines (past a scheduler's grace period, SIGKILL then leaves them running)
+            self._abort.set()
+            self._abort_engines(timeout=2.0)
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
         samples: list[Sample] = []
         for gi, (prompt, (eng, attempts, outs)) in enumerate(zip(prompts, answers)):
             for j, (out_ids, lps, reason, version) in enumerate(outs):
@@ -312,17 +320,21 @@ class SglangBackend:
         self._abort.set()
         deadline = time.monotonic() + timeout
         while True:
-            for e in self.engines:
-                try:
-                    request(e.url + "/abort_request", {"rid": "", "abort_all": True}, timeout=10)
-                except EngineDown:
-                    pass  # a dead engine has nothing to abort; its groups return as aborted
+            self._abort_engines(timeout=10)
             with self._inflight_lock:
                 if self._inflight == 0:
                     return
             if time.monotonic() > deadline:
                 return
             time.sleep(0.05)  # a request that reached its server after the abort: abort again
+
+    def _abort_engines(self, timeout: float) -> None:
+        """Ask every engine to abort its requests (they answer with what they have)."""
+        for e in self.engines:
+            try:
+                request(e.url + "/abort_request", {"rid": "", "abort_all": True}, timeout=timeout)
+            except (EngineDown, MilesUserError):
+                pass  # a dead engine has nothing to abort (its groups return as aborted); one that refuses, neither
 
     # ------------------------------------------------------------------ bookkeeping
     def pop_metrics(self) -> dict[str, float]:
