@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from miles_core.orchestration.collect import collect
 from miles_core.orchestration.rollout_io import load_rollouts
@@ -74,6 +74,14 @@ class OneStepOffSchedule(SyncSchedule):
             self._ahead[1].exception()  # wait; an error surfaces from get()
 
     def close(self) -> None:
+        """A generation still running ahead means the run stops early (an error, Ctrl-C): nobody trains on its
+        samples, so it is aborted rather than waited for (minutes on a real rollout, past a scheduler's grace period)."""
+        abort = getattr(self.backend, "abort_all", None)
+        if self._ahead is not None and abort is not None:
+            fut = self._ahead[1]
+            while not fut.done():  # again until it ends: an abort before its generate started is not seen by it
+                abort()
+                wait([fut], timeout=0.05)
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 

@@ -1,6 +1,7 @@
 """Schedules, deterministic seeds, saved rollouts and --resume, end to end on a tiny CPU config."""
 
 import json
+import threading
 import time
 
 import pytest
@@ -72,6 +73,28 @@ def test_one_step_off_samples_are_exactly_one_version_behind(tmp_path):
         assert trainer_version == step - 1
         assert set(versions) == {max(step - 2, 0)}, (step, versions)
         assert trainer_version - min(versions) <= 1
+
+
+class StopsAfterTraining:
+    """Ctrl-C (or an error) while step 1 trains."""
+
+    @hookimpl
+    def miles_after_train_step(self, ctx, step, metrics):
+        raise KeyboardInterrupt
+
+
+def test_one_step_off_stops_without_finishing_the_next_steps_rollout(tmp_path, monkeypatch):
+    # the run stops (Ctrl-C, SIGTERM, an error) while step 2's samples are being generated ahead: closing the schedule
+    # waited for that whole generation, whose samples nobody will train on (minutes, on a real rollout)
+    step = EngineCore.step
+    ahead = lambda: threading.current_thread().name.startswith("miles-rollout")  # noqa: E731  the generation ahead
+    monkeypatch.setattr(EngineCore, "step", lambda self: (time.sleep(1.0) if ahead() else None) or step(self))
+    cfg = tiny_config(tmp_path, "run.num_rollout=3", "orchestration.schedule=one_step_off", "orchestration.deterministic=true",
+                      "rollout.max_response_len=64", "rollout.temperature=1.0")
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        _run(cfg, StopsAfterTraining())
+    assert time.monotonic() - t0 < 5.0  # the generation ahead takes about 9 s
 
 
 def test_sync_schedule_is_on_policy(tmp_path):
