@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from miles_core.errors import ConfigError
+from miles_core.errors import ConfigError, MilesUserError
 
 
 def _actor_context(cfg, blocked, tokenizer, num_threads: int):
@@ -190,16 +190,25 @@ def _bundle(cpus: float, gpus: float) -> dict[str, float]:
     return {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {})}
 
 
-def ray_placement(c, need_trainer: bool, need_backend: bool):
-    from miles_core.orchestration.placement import Placement
+def _check_fits(bundles: list[dict[str, float]], have: dict[str, float]) -> None:
+    """Refuse bundles the cluster can never grant (Ray would wait for the placement group without end)."""
+    need: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            need[k] = need.get(k, 0.0) + v
+    short = [f"{need[k]:g} {k}" for k in need if need[k] > have.get(k, 0.0)]
+    if short:
+        total = ", ".join(f"{have.get(k, 0.0):g} {k}" for k in need)
+        raise ConfigError(f"the Ray placement asks for {', '.join(short)} in all, and the cluster has {total}: lower "
+                          f"orchestration.engine_num_gpus / trainer_num_gpus / *_num_cpus (or num_engines, trainer_num_ranks)")
 
+
+def ray_placement(c, need_trainer: bool, need_backend: bool):
     try:
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     except ImportError:
         raise ConfigError("orchestration.placement=ray_* needs Ray: pip install 'miles[ray]'") from None
-    cfg, o = c.ctx.config, c.ctx.config.orchestration
+    o = c.ctx.config.orchestration
     closers = []
     if not ray.is_initialized():
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind to loopback, not the external address
@@ -208,6 +217,21 @@ def ray_placement(c, need_trainer: bool, need_backend: bool):
         kwargs = {} if o.ray_address else {"num_cpus": max(int(need + 0.999), os.cpu_count() or 1), "_temp_dir": tmp}
         ray.init(address=o.ray_address, include_dashboard=False, log_to_driver=False, **kwargs)
         closers += [ray.shutdown, lambda: shutil.rmtree(tmp, ignore_errors=True)]
+    try:
+        return _place(c, ray, o, need_trainer, need_backend, closers)
+    except BaseException:  # nothing is left behind: the placement group, a Ray cluster started here, its temp folder
+        for fn in closers:
+            fn()
+        raise
+
+
+def _place(c, ray, o, need_trainer: bool, need_backend: bool, closers: list):
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from miles_core.orchestration.placement import Placement
+
+    cfg = c.ctx.config
     colocated = o.placement == "ray_colocated"
     n_eng = o.num_engines if need_backend else 0
     if colocated:
@@ -220,9 +244,14 @@ def ray_placement(c, need_trainer: bool, need_backend: bool):
         bundles = [_bundle(o.engine_num_cpus, o.engine_num_gpus)] * n_eng + [_bundle(o.trainer_num_cpus, o.trainer_num_gpus)] * ranks
         eng_res = [(i, o.engine_num_cpus, o.engine_num_gpus) for i in range(n_eng)]
         tr_res = (n_eng, o.trainer_num_cpus, o.trainer_num_gpus)
+    _check_fits(bundles, ray.cluster_resources())
     pg = placement_group(bundles, strategy="PACK")
-    ray.get(pg.ready(), timeout=120)
     closers.insert(0, lambda: remove_placement_group(pg))
+    try:
+        ray.get(pg.ready(), timeout=120)
+    except ray.exceptions.GetTimeoutError:
+        raise MilesUserError(f"the Ray cluster did not grant the placement group {bundles} within 120 s "
+                             f"(free now: {ray.available_resources()}); other jobs may hold its resources") from None
 
     def spawn(cls, res, *extra):
         index, cpus, gpus = res

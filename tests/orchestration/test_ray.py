@@ -3,9 +3,11 @@
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 
+from miles_core.errors import ConfigError, MilesUserError
 from miles_core.orchestration.build import build
 from miles_core.orchestration.loop import run_loop
 from miles_core.orchestration.placement import make_placement
@@ -85,3 +87,20 @@ def test_two_trainer_ranks_on_ray_match_one_rank(tmp_path, ray_cluster, local):
         assert ray.get([a.rank_and_world.remote() for a in placement.trainer.actors]) == [(0, 2), (1, 2)]
     finally:
         placement.close()
+
+
+def _pg_states() -> list[str]:
+    from ray.util import placement_group_table
+
+    return [pg["state"] for pg in placement_group_table().values()]
+
+
+def test_resources_the_cluster_lacks_are_one_clear_error(tmp_path, ray_cluster):
+    # a bundle the cluster can never grant (a GPU on a CPU cluster) waited 120 s for the placement group, then raised
+    # Ray's GetTimeoutError
+    cfg = tiny_config(tmp_path, "orchestration.placement=ray_disaggregated", "orchestration.engine_num_gpus=1")
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"1 GPU.*orchestration\.engine_num_gpus"):
+        make_placement(build(cfg, MilesPlugins(autoload=False), None))
+    assert time.monotonic() - t0 < 10 and "CREATED" not in _pg_states()
+
