@@ -43,11 +43,25 @@ def _actor_context(cfg, blocked, tokenizer, num_threads: int):
     return RunContext(cfg, plugins, tokenizer, device, platform.name, Kernels(plugins, platform.name), None)
 
 
-class EngineWorker:
+class _Started:
+    """A user error in an actor's constructor (a URL nothing answers, a plugin's ConfigError) is kept and handed to
+    the driver by :meth:`failed`, which raises it as itself: raised in the constructor, it kills the actor, and
+    the driver sees only a RayActorError traceback at its first call."""
+
+    error: MilesUserError | None = None
+
+    def failed(self) -> MilesUserError | None:
+        return self.error
+
+
+class EngineWorker(_Started):
     def __init__(self, cfg, blocked, tokenizer, model, num_threads: int) -> None:
-        ctx = _actor_context(cfg, blocked, tokenizer, num_threads)
-        factory = ctx.plugins.registries.rollout_backends.get(cfg.rollout.backend, key="rollout.backend")
-        self.engine = factory(ctx, model)
+        try:
+            ctx = _actor_context(cfg, blocked, tokenizer, num_threads)
+            factory = ctx.plugins.registries.rollout_backends.get(cfg.rollout.backend, key="rollout.backend")
+            self.engine = factory(ctx, model)
+        except MilesUserError as exc:
+            self.error = exc
 
     def generate(self, prompts, params, n):
         return self.engine.generate(prompts, params, n)
@@ -70,13 +84,16 @@ class EngineWorker:
         self.engine.shutdown()
 
 
-class TrainerWorker:
+class TrainerWorker(_Started):
     def __init__(self, cfg, blocked, tokenizer, model, num_threads: int, rank: int = 0, world: int = 1, master: str = "") -> None:
         if world > 1:  # the environment torchrun would set; init_from_env joins the group
             addr, port = master.rsplit(":", 1)
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR=addr, MASTER_PORT=port)
-        ctx = _actor_context(cfg, blocked, tokenizer, num_threads)
-        self.trainer = ctx.plugins.registries.trainers.get(cfg.train.backend, key="train.backend")(ctx, model)
+        try:
+            ctx = _actor_context(cfg, blocked, tokenizer, num_threads)
+            self.trainer = ctx.plugins.registries.trainers.get(cfg.train.backend, key="train.backend")(ctx, model)
+        except MilesUserError as exc:
+            self.error = exc
 
     def call(self, name: str, *args, **kwargs):
         return getattr(self.trainer, name)(*args, **kwargs)
@@ -203,6 +220,18 @@ def _check_fits(bundles: list[dict[str, float]], have: dict[str, float]) -> None
                           f"orchestration.engine_num_gpus / trainer_num_gpus / *_num_cpus (or num_engines, trainer_num_ranks)")
 
 
+def _check_started(actors: list) -> None:
+    """Wait for the actors' constructors; the first user error among them is raised as itself."""
+    import ray
+
+    refs = [a.failed.remote() for a in actors]
+    while refs:  # in the order they finish: a rank waiting for a failed rank's rendezvous never does
+        done, refs = ray.wait(refs, num_returns=1)
+        error = ray.get(done[0])
+        if error is not None:
+            raise error
+
+
 def ray_placement(c, need_trainer: bool, need_backend: bool):
     try:
         import ray
@@ -271,5 +300,6 @@ def _place(c, ray, o, need_trainer: bool, need_backend: bool, closers: list):
                 num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index))
             master = ray.get(probe.remote())
         trainer = RayTrainer([spawn(TrainerWorker, (tr_res[0] + r, *tr_res[1:]), r, world, master) for r in range(world)])
+    _check_started(engines + (trainer.actors if trainer is not None else []))
     backend = RayBackend(engines) if engines else None
     return Placement(trainer, backend, colocated=colocated, _close=closers)

@@ -104,3 +104,14 @@ def test_resources_the_cluster_lacks_are_one_clear_error(tmp_path, ray_cluster):
         make_placement(build(cfg, MilesPlugins(autoload=False), None))
     assert time.monotonic() - t0 < 10 and "CREATED" not in _pg_states()
 
+
+def test_a_user_error_in_an_engine_actor_is_raised_as_itself(tmp_path, ray_cluster):
+    # the engine actor's backend refuses the config (here a URL nothing answers): the actor died in its constructor and
+    # the run ended on a RayActorError traceback at the first generate (exit 1), and again from close(), which then
+    # skipped removing the placement group and the Ray temp folder
+    cfg = tiny_config(tmp_path, "orchestration.placement=ray_disaggregated", "rollout.backend=sglang",
+                      "rollout.sglang.urls=[http://127.0.0.1:9]")
+    with pytest.raises(MilesUserError, match=r"^rollout.sglang.urls: http://127.0.0.1:9 does not answer /health"):
+        placement = make_placement(build(cfg, MilesPlugins(autoload=False), None))
+        placement.close()
+    assert "CREATED" not in _pg_states()
