@@ -72,11 +72,13 @@ class DistributedTransport:
             self._broken.append((self._group, self._store))
             self._group = self._store = None
         self._members = None
-        world = 1 + self.ranks_per_engine * len(urls)
+        # SGLang joins one rank per TP rank (server_args tp_size); `miles serve` drops tp_size and joins as one
+        ranks = 1 if getattr(rollout, "kind", "") == "miles" else self.ranks_per_engine
+        world = 1 + ranks * len(urls)
         store = host_store(self.master_address, world)
         port = store.port
         name = f"miles-weights-{uuid.uuid4().hex[:8]}"
-        bodies = [{"master_address": self.master_address, "master_port": port, "rank_offset": 1 + self.ranks_per_engine * i,
+        bodies = [{"master_address": self.master_address, "master_port": port, "rank_offset": 1 + ranks * i,
                    "world_size": world, "group_name": name, "backend": dist_backend} for i in range(len(urls))]
         joined: dict = {}
 

@@ -2,6 +2,7 @@
 the weights arrive (greedy output equals an in-process engine holding the same weights, and no
 longer equals the old weights' output) and the engine reports the pushed version."""
 
+import threading
 import time
 
 import pytest
@@ -103,6 +104,23 @@ def test_distributed_gloo_over_loopback(served):
     group = transport._name
     check_push(backend, transport, 14, tok, got)  # the second push reuses the group
     assert transport._name == group
+
+
+def test_distributed_with_sglang_tp_size_on_miles_serve(tmp_path):
+    # --sglang-tp-size 2 makes the transport count 2 ranks per engine (SGLang joins one per TP rank); `miles serve`
+    # drops tp_size and joins as one rank, so the group waited for a rank that never came: 120 s per try, three tries
+    model, tok = tiny_model(0)
+    backend = SglangBackend(SglangConfig(num_engines=1, server_args={"tp_size": 2}), tok, save(model, tok, tmp_path / "m"), tmp_path / "w")
+    try:
+        old = greedy_ids(backend)
+        new, _ = tiny_model(13)
+        transport = DistributedTransport(bucket_bytes=8192, backend="gloo", ranks_per_engine=2)  # what sync's plugin makes of tp_size=2
+        pushed = threading.Event()
+        threading.Thread(target=lambda: transport.push(new.state_dict(), 1, backend) or pushed.set(), daemon=True).start()
+        assert pushed.wait(15), "the push is still waiting for the weight group"
+        assert backend.engine_versions() == [1] and greedy_ids(backend) == reference(new, tok) != old
+    finally:
+        backend.shutdown()
 
 
 def test_buckets_fill_up_to_the_byte_bound_in_order():
