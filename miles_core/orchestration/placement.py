@@ -40,10 +40,12 @@ class Placement:
             yield
 
     def close(self) -> None:
-        if self.backend is not None:
-            self.backend.shutdown()
-        for fn in self._close:
-            fn()
+        try:
+            if self.backend is not None:
+                self.backend.shutdown()
+        finally:  # the placement group, Ray and its temp folder go whatever the engines did
+            for fn in self._close:
+                fn()
 
 
 def check_placement(cfg) -> None:

@@ -159,9 +159,14 @@ class RayBackend:
         ray.get([e.resume_memory.remote() for e in self.engines])
 
     def shutdown(self) -> None:
+        """Shut the live engines down; a dead one (killed for memory, crashed) has nothing left to stop."""
         import ray
 
-        ray.get([e.shutdown.remote() for e in self.engines])
+        for ref in [e.shutdown.remote() for e in self.engines]:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                pass
 
 
 class RayTrainer:

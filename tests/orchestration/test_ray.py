@@ -115,3 +115,15 @@ def test_a_user_error_in_an_engine_actor_is_raised_as_itself(tmp_path, ray_clust
         placement = make_placement(build(cfg, MilesPlugins(autoload=False), None))
         placement.close()
     assert "CREATED" not in _pg_states()
+
+
+def test_closing_after_an_engine_actor_died_cleans_up(tmp_path, ray_cluster):
+    # an engine actor that died mid-run (Ray's OOM killer, a crash): the run's error was replaced by another from
+    # close() (RayBackend.shutdown called the dead actor), which then skipped the placement group, Ray and its temp folder
+    cfg = tiny_config(tmp_path, "orchestration.placement=ray_disaggregated", "run.mode=rollout")  # one engine actor, no trainer
+    placement = make_placement(build(cfg, MilesPlugins(autoload=False), None))
+    closed = []
+    placement._close.append(lambda: closed.append(True))
+    ray.kill(placement.backend.engines[0])
+    placement.close()
+    assert closed and "CREATED" not in _pg_states()
