@@ -161,6 +161,38 @@ def test_killed_engine_groups_are_resubmitted(backend, tiny):
     assert m["engine_restarts"] == 1 and 0 < m["recovery_s"] < 60
 
 
+def test_shutdown_during_a_restart_stops_the_new_server(tiny, tmp_path, monkeypatch):
+    # the run ends (Ctrl-C, an error, its last step) while the monitor restarts a dead engine whose new server is still
+    # loading (minutes for a large model): shutdown() waited 30 s for the monitor, then stopped only the dead server,
+    # and the new one, in its own session, ran on
+    from miles_core.rollout.sglang import backend as backend_module
+    from miles_core.rollout.sglang.launch import LaunchedServer, free_port
+
+    model, tok, path = tiny
+    b = SglangBackend(SglangConfig(num_engines=1), tok, path, tmp_path)
+    started = []
+
+    def loading(*args, **kwargs):  # a server that takes minutes to answer /health
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True))
+        return LaunchedServer(f"http://127.0.0.1:{free_port()}", started[-1], tmp_path / "loading.log")
+
+    monkeypatch.setattr(backend_module, "launch", loading)
+    try:
+        os.kill(b.engines[0].server.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while not started:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        b.shutdown()
+        assert time.monotonic() - t0 < 5
+        started[0].wait(5)  # raises TimeoutExpired while the new server runs on
+    finally:
+        for p in started:
+            p.kill()
+            p.wait()
+
+
 def test_a_full_batch_against_a_miles_serve_url(tiny, tmp_path):
     """64 groups in flight at once (the backend's pool) against one `miles serve` given by URL: none is refused
     (its listen backlog was 5, so most connections of such a batch were reset, and a URL server is not retried)."""

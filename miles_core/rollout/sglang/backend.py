@@ -74,6 +74,9 @@ class SglangBackend:
         # trainer's before the first rollout (a server of another architecture then fails that push, by name)
         self.foreign_weights = bool(cfg.urls)
         self.run_extras: dict | None = None  # the run's ctx.extras; shutdown() adds "summary" there
+        self._servers: list[LaunchedServer] = []  # every server launched, for shutdown() (a restart's too)
+        self._closing = threading.Event()  # set by shutdown(): no server is launched from then on
+        self._launch_lock = threading.Lock()
         if cfg.urls:
             self.engines = [Engine(i, u.rstrip("/"), None, _set_event()) for i, u in enumerate(cfg.urls)]
             for e in self.engines:
@@ -82,7 +85,7 @@ class SglangBackend:
             self.weight_version = max(self._reported_versions())
             return
         self.kind = resolve_launcher(cfg.launcher)
-        servers = [launch(self.kind, self.model_dir, cfg.server_args, self.workdir / "logs", f"engine{i}") for i in range(cfg.num_engines)]
+        servers = [self._launch(i) for i in range(cfg.num_engines)]
         try:
             for s in servers:
                 wait_healthy(s, cfg.startup_timeout_s)
@@ -123,6 +126,16 @@ class SglangBackend:
         """The weight version each engine reports (``/get_model_info``)."""
         return self._reported_versions()
 
+    def _launch(self, i: int) -> LaunchedServer:
+        """Start engine ``i``'s server, on the list that shutdown() stops: a restart's new server may still be loading
+        then (minutes for a large model), and would run on in its own session."""
+        with self._launch_lock:
+            if self._closing.is_set():
+                raise MilesUserError("the rollout backend is shutting down: no engine is restarted")
+            server = launch(self.kind, self.model_dir, self.cfg.server_args, self.workdir / "logs", f"engine{i}")
+            self._servers.append(server)
+        return server
+
     def _restart(self, i: int) -> None:
         """Relaunch engine ``i`` and load the last pushed weights into it (the monitor calls this)."""
         eng = self.engines[i]
@@ -131,7 +144,7 @@ class SglangBackend:
         old.stop()
         with self.weights_lock:
             for attempt in range(3):  # the new process may die too (killed while starting)
-                server = launch(self.kind, self.model_dir, self.cfg.server_args, self.workdir / "logs", f"engine{i}")
+                server = self._launch(i)
                 try:
                     wait_healthy(server, self.cfg.startup_timeout_s)
                     break
@@ -351,13 +364,14 @@ class SglangBackend:
         return {"engine_restarts": len(times), "recovery_s": times}
 
     def shutdown(self) -> None:
+        with self._launch_lock:
+            self._closing.set()
+        for server in self._servers:  # first: a restart waiting for its new server to load then fails at once
+            server.stop()
         if self.monitor is not None:
             self.monitor.stop()
             if self.run_extras is not None:
                 self.run_extras.setdefault("summary", {}).update(self.summary())
-        for e in self.engines:
-            if e.server is not None:
-                e.server.stop()
 
 
 def _set_event() -> threading.Event:
