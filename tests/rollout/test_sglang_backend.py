@@ -112,6 +112,18 @@ def test_deterministic_seeds_are_sent_and_sample_as_the_builtin_engine(backend, 
     assert all(len({tuple(s.response_ids) for s in got[g:g + 3]}) > 1 for g in range(0, 15, 3))  # seed + i: the samples differ
 
 
+def test_colocated_engines_release_their_memory_while_the_trainer_works(backend):
+    # orchestration.placement=ray_colocated calls release_memory()/resume_memory() around each train step: the sglang
+    # backend had neither, so a colocated run with rollout.backend=sglang crashed at its first step (AttributeError)
+    from miles_core.orchestration.placement import Placement
+
+    params = SamplingParams(max_new_tokens=3, temperature=0)
+    with Placement(None, backend, colocated=True).training():
+        with pytest.raises(MilesUserError, match="released"):  # the engines hold no weights or KV cache now
+            backend.generate(PROMPTS[:2], params)
+    assert [s.finish_reason for s in backend.generate(PROMPTS[:2], params)] == ["length"] * 2
+
+
 def test_abort_all_returns_partial_samples(backend):
     params = SamplingParams(max_new_tokens=12000, temperature=1.0, ignore_eos=True)  # several seconds unaborted
     result = {}

@@ -218,6 +218,14 @@ class SglangBackend:
         path = write_weights(state_dict, self.workdir / "weights", version, self.model_dir)
         self.update_weights_from_disk(path, version)
 
+    def release_memory(self) -> None:
+        """``ray_colocated``: the engines free their KV cache and weights while the trainer works
+        (``/release_memory_occupation``; SGLang servers need ``--enable-memory-saver``)."""
+        self.broadcast_post("/release_memory_occupation", {})
+
+    def resume_memory(self) -> None:
+        self.broadcast_post("/resume_memory_occupation", {})
+
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[Prompt], params: SamplingParams, n: int = 1) -> list[Sample]:
         self._abort.clear()
