@@ -81,7 +81,8 @@ class EngineWorker(_Started):
         return sorted(getattr(getattr(self.engine, "core", None), "released", ()))
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        if self.error is None:  # else there is no engine
+            self.engine.shutdown()
 
 
 class TrainerWorker(_Started):
@@ -305,6 +306,10 @@ def _place(c, ray, o, need_trainer: bool, need_backend: bool, closers: list):
                 num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index))
             master = ray.get(probe.remote())
         trainer = RayTrainer([spawn(TrainerWorker, (tr_res[0] + r, *tr_res[1:]), r, world, master) for r in range(world)])
-    _check_started(engines + (trainer.actors if trainer is not None else []))
+    try:
+        _check_started(engines + (trainer.actors if trainer is not None else []))
+    except BaseException:  # servers the live engines launched run in their own sessions: they would outlive their actors
+        RayBackend(engines).shutdown()
+        raise
     backend = RayBackend(engines) if engines else None
     return Placement(trainer, backend, colocated=colocated, _close=closers)
