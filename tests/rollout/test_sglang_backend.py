@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -220,6 +221,28 @@ def test_a_full_batch_against_a_miles_serve_url(tiny, tmp_path):
         assert len(got) == 128 and all(s.metadata["attempts"] == 1 for s in got)
     finally:
         srv.shutdown()
+
+
+def test_a_run_without_an_output_folder_leaves_no_engine_folder(tmp_path, monkeypatch):
+    # with no output folder (the engine actors of the Ray placements; a run built with output_dir=None) the backend
+    # works in a temporary folder -- the initial model, two weight versions of in_process pushes, the server logs -- that
+    # nothing removed: every such run left them in /tmp
+    from miles_core.orchestration.build import build
+    from miles_core.testing.contracts import tiny_config
+
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    c = build(tiny_config(tmp_path, "rollout.backend=sglang"), MilesPlugins(autoload=False), None)
+    b = c.backend_factory(c.ctx, c.model)
+    c.transport.push(c.model.state_dict(), 1, b)
+    assert (b.workdir / "weights" / "v1").is_dir()
+    b.shutdown()
+    assert not list(temp.iterdir())
+    refused = tiny_config(tmp_path, "rollout.backend=sglang", "rollout.sglang.urls=[http://127.0.0.1:9]")
+    with pytest.raises(MilesUserError, match="does not answer /health"):
+        c.backend_factory(build(refused, MilesPlugins(autoload=False), None).ctx, c.model)
+    assert not list(temp.iterdir())
 
 
 def test_unreachable_url_names_it():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 import threading
 import time
 from collections.abc import Mapping
@@ -54,12 +55,14 @@ class Engine:
 
 
 class SglangBackend:
-    def __init__(self, cfg: SglangConfig, tokenizer, model_dir: str | Path, workdir: str | Path, vocab_size: int | None = None) -> None:
+    def __init__(self, cfg: SglangConfig, tokenizer, model_dir: str | Path, workdir: str | Path, vocab_size: int | None = None,
+                 temporary_workdir: bool = False) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size or tokenizer.vocab_size  # the trainer's model's: an engine's ids must be below it
         self.model_dir = str(model_dir)
         self.workdir = Path(workdir)
+        self.temporary_workdir = temporary_workdir  # shutdown() removes the workdir (made for this backend alone)
         self.weight_version = 0
         self.weights_lock = threading.RLock()  # held by a push and by a restart's weight load
         self._latest_path: str | None = None  # the folder holding the last pushed version
@@ -380,6 +383,8 @@ class SglangBackend:
             self.monitor.stop()
             if self.run_extras is not None:
                 self.run_extras.setdefault("summary", {}).update(self.summary())
+        if self.temporary_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def _set_event() -> threading.Event:
