@@ -467,3 +467,34 @@ def test_a_terminated_run_stops_its_engines(tmp_path):
 def test_cli_validate_names_a_bad_sglang_key(cli):
     line = _one_line_error(cli("validate", "rollout.backend=sglang", "rollout.sglang.launcher=docker"))
     assert "rollout.sglang.launcher" in line
+
+
+def test_stopping_a_launched_server_stops_the_children_it_left(tmp_path):
+    """A server's own processes (SGLang's scheduler and detokenizer) outlive a main process that dies on SIGTERM
+    without stopping them: LaunchedServer.stop ends its whole process group (the server runs in a session of its own)."""
+    from miles_core.rollout.sglang.launch import LaunchedServer
+
+    pid_file = tmp_path / "child.pid"
+    code = (f"import subprocess, time, pathlib; c = subprocess.Popen(['sleep', '300']); "
+            f"pathlib.Path({str(pid_file)!r}).write_text(str(c.pid)); time.sleep(300)")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    deadline = time.monotonic() + 20
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    LaunchedServer("http://127.0.0.1:1", proc, tmp_path / "log").stop()
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{child}").exists() and _state(child) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gone = not Path(f"/proc/{child}").exists() or _state(child) == "Z"
+    if not gone:
+        os.kill(child, signal.SIGKILL)
+    assert gone
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return "Z"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -89,6 +90,9 @@ class LaunchedServer:
         return self.proc.poll() is None
 
     def stop(self) -> None:
+        """SIGTERM to the server (SGLang's stops its scheduler and detokenizer processes itself), SIGKILL after
+        10 s; then SIGKILL to whatever is left of its process group (it was started in a session of its own), so
+        no child of a server that died or ignored the signal keeps its GPU memory and port."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -96,6 +100,10 @@ class LaunchedServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # the group is empty: nothing left
+            pass
 
 
 def launch(kind: str, model_path: str, server_args: dict[str, Any], log_dir: Path, name: str, env: dict | None = None) -> LaunchedServer:
