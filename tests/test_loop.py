@@ -379,3 +379,33 @@ def test_a_step_that_dynamic_sampling_skips_pushes_no_weights(tmp_path):
     assert pushed == [1, 2] and [call[1] for call in rec.calls if call[0] == "sync"] == [1, 2]
     assert [steps[k]["weight_version"] for k in (0, 1, 2, 3)] == [0, 1, 1, 2] and summary["weight_version"] == 2
     assert [call[3] for call in rec.calls if call[0] == "rollout"] == [{0}, set(), {1}]  # step 2 kept no sample
+
+
+def test_a_task_failing_to_give_prompts_leaves_no_engine_open(tmp_path, monkeypatch):
+    """The train and eval prompts (a plugin task's, a chat template's tokenization) are read before the placement
+    launches engines and the trainer: a task that raises there leaves nothing running, and the error is its own."""
+    import pytest
+
+    from miles_core.errors import DataError
+    from miles_core.orchestration import loop
+
+    c = build(tiny_config(tmp_path, "run.num_rollout=1"), MilesPlugins(), tmp_path)
+    opened, closed = [], []
+    make = loop.make_placement
+
+    def tracked(comp):
+        p = make(comp)
+        opened.append(p)
+        close = p.close
+        p.close = lambda: (closed.append(p), close())
+        return p
+
+    monkeypatch.setattr(loop, "make_placement", tracked)
+
+    def broken():
+        raise DataError("task 'broken': eval prompts could not be read")
+
+    c.task.eval_prompts = broken
+    with pytest.raises(DataError, match="broken"):
+        run_loop(c, lambda record: None)
+    assert opened == closed

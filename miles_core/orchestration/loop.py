@@ -163,11 +163,12 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
 
     Returns the summary and the trainer (which holds the final weights)."""
     ctx, cfg = c.ctx, c.ctx.config
-    placement = make_placement(c)
-    trainer, backend = placement.trainer, placement.backend
     tok = ctx.tokenizer
+    # the task's prompts before the placement starts engines: a task (or chat template) that raises leaves none open
     stream = c.task.train_prompts(random.Random(cfg.run.seed))
     eval_prompts = _tokenize(c.task.eval_prompts(), tok)
+    placement = make_placement(c)
+    trainer, backend = placement.trainer, placement.backend
     version = 0
     summary: dict[str, Any] = {"status": "failed"}
     history: list[dict[str, Any]] = []
