@@ -135,3 +135,19 @@ def test_a_kill_while_an_old_step_folder_is_removed_leaves_latest_complete(tmp_p
     monkeypatch.setattr(shutil, "rmtree", real)
     ckpt = find_checkpoint(tmp_path)
     assert json.loads((ckpt / "loop.json").read_text())["version"] == 2  # the new step_000001, whole
+
+
+def test_a_tensor_of_the_wrong_shape_is_named(tmp_path):
+    """A tensor whose shape disagrees with config.json (another model's file, an edited config) is a user error
+    naming the tensor and both shapes, not load_state_dict's RuntimeError."""
+    from safetensors.torch import load_file, save_file
+
+    from miles_core.errors import ConfigError
+
+    regs = MilesPlugins(autoload=False).registries
+    model = Decoder(DecoderConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
+    save_hf_folder(model, regs.model_families.get("llama"), tmp_path / "ckpt")
+    f = tmp_path / "ckpt" / "model.safetensors"
+    save_file({**load_file(str(f)), "model.norm.weight": torch.ones(7)}, str(f))
+    with pytest.raises(ConfigError, match=r"'model.norm.weight' has shape \(7,\); its config.json gives \(32,\)"):
+        load_hf_folder(tmp_path / "ckpt", regs.model_families)

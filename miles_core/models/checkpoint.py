@@ -118,6 +118,16 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def check_shapes(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+    """A tensor whose shape is not the one the config gives (another model's file, an edited config.json) is named
+    here; load_state_dict would raise a RuntimeError listing every mismatch."""
+    own = model.state_dict()
+    for name, tensor in state.items():
+        if name in own and own[name].shape != tensor.shape:
+            raise ConfigError(f"model checkpoint '{path}': '{name}' has shape {tuple(tensor.shape)}; "
+                              f"its config.json gives {tuple(own[name].shape)}")
+
+
 def load_hf_folder(path: Path, families: Registry) -> tuple[nn.Module, ModelFamily]:
     path = Path(path)
     if not path.is_dir():
@@ -126,6 +136,7 @@ def load_hf_folder(path: Path, families: Registry) -> tuple[nn.Module, ModelFami
     family = family_for(hf, families, path)
     model = family.build(family.config_from_hf(hf))
     state = read_safetensors(path)
+    check_shapes(model, state, path)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing or unexpected:
