@@ -151,3 +151,26 @@ def test_a_tensor_of_the_wrong_shape_is_named(tmp_path):
     save_file({**load_file(str(f)), "model.norm.weight": torch.ones(7)}, str(f))
     with pytest.raises(ConfigError, match=r"'model.norm.weight' has shape \(7,\); its config.json gives \(32,\)"):
         load_hf_folder(tmp_path / "ckpt", regs.model_families)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c.pop("hidden_size"), r"config.json has no 'hidden_size'"),
+    (lambda c: c.update(num_hidden_layers="2"), r"config.json: cannot build a llama model from it"),
+])
+def test_a_config_json_without_a_needed_key_is_named(tmp_path, edit, message):
+    import json
+
+    from miles_core.errors import ConfigError
+
+    regs = MilesPlugins(autoload=False).registries
+    model = Decoder(DecoderConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
+    save_hf_folder(model, regs.model_families.get("llama"), tmp_path / "ckpt")
+    cfg_file = tmp_path / "ckpt" / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    edit(cfg)
+    cfg_file.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=message):
+        load_hf_folder(tmp_path / "ckpt", regs.model_families)
+    cfg_file.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=r"config.json: not a JSON object"):
+        load_hf_folder(tmp_path / "ckpt", regs.model_families)

@@ -76,9 +76,12 @@ def read_hf_config(path: Path) -> dict:
     if not cfg_file.is_file():
         raise ConfigError(f"model checkpoint '{path}' has no config.json (expected an HF safetensors folder)")
     try:
-        return json.loads(cfg_file.read_text())
+        hf = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{cfg_file}: not valid JSON ({exc})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{cfg_file}: not a JSON object (an HF config is a mapping of settings)")
+    return hf
 
 
 def find_family(hf: dict, families: Registry) -> ModelFamily | None:
@@ -118,6 +121,17 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def build_from_config(family: ModelFamily, hf: dict, path: Path) -> nn.Module:
+    """The family's model for config.json ``hf``; a key it needs that is absent or of the wrong type is named
+    (config_from_hf reads them as they are, and would raise a KeyError or a TypeError from deep in torch)."""
+    try:
+        return family.build(family.config_from_hf(hf))
+    except KeyError as exc:
+        raise ConfigError(f"{path / 'config.json'} has no '{exc.args[0]}' (needed to build a {family.name} model)") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{path / 'config.json'}: cannot build a {family.name} model from it ({exc})") from None
+
+
 def check_shapes(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
     """A tensor whose shape is not the one the config gives (another model's file, an edited config.json) is named
     here; load_state_dict would raise a RuntimeError listing every mismatch."""
@@ -134,7 +148,7 @@ def load_hf_folder(path: Path, families: Registry) -> tuple[nn.Module, ModelFami
         raise ConfigError(f"model checkpoint '{path}' does not exist")
     hf = read_hf_config(path)
     family = family_for(hf, families, path)
-    model = family.build(family.config_from_hf(hf))
+    model = build_from_config(family, hf, path)
     state = read_safetensors(path)
     check_shapes(model, state, path)
     missing, unexpected = model.load_state_dict(state, strict=False)
