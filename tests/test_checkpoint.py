@@ -174,3 +174,24 @@ def test_a_config_json_without_a_needed_key_is_named(tmp_path, edit, message):
     cfg_file.write_text("[1, 2]")
     with pytest.raises(ConfigError, match=r"config.json: not a JSON object"):
         load_hf_folder(tmp_path / "ckpt", regs.model_families)
+
+
+def test_a_tied_checkpoint_whose_head_differs_from_its_embedding_is_refused(tmp_path):
+    """With tie_word_embeddings the head and the embedding are one tensor: a file that holds both with other
+    values loaded its head over the embedding (transformers unties them instead). Equal values still load."""
+    from safetensors.torch import load_file, save_file
+
+    from miles_core.errors import ConfigError
+
+    regs = MilesPlugins(autoload=False).registries
+    model = Decoder(DecoderConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
+    save_hf_folder(model, regs.model_families.get("llama"), tmp_path / "ckpt")
+    f = tmp_path / "ckpt" / "model.safetensors"
+    state = load_file(str(f))
+    embed = state["model.embed_tokens.weight"]
+    save_file({**state, "lm_head.weight": embed.clone()}, str(f))
+    back, _ = load_hf_folder(tmp_path / "ckpt", regs.model_families)
+    assert torch.equal(back.model.embed_tokens.weight, embed)
+    save_file({**state, "lm_head.weight": torch.randn_like(embed)}, str(f))
+    with pytest.raises(ConfigError, match="tie_word_embeddings is true, but its 'lm_head.weight' differs from 'model.embed_tokens.weight'"):
+        load_hf_folder(tmp_path / "ckpt", regs.model_families)

@@ -142,6 +142,16 @@ def check_shapes(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -
                               f"its config.json gives {tuple(own[name].shape)}")
 
 
+def check_tied_head(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+    """With tie_word_embeddings the head is the embedding (one tensor): a file holding an ``lm_head.weight`` with
+    other values would load it over the embedding. Refused (transformers unties such a model); equal values load."""
+    head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
+    if model.config.tie_word_embeddings and head is not None and embed is not None and not torch.equal(head, embed):
+        raise ConfigError(f"model checkpoint '{path}': its config.json's tie_word_embeddings is true, but its 'lm_head.weight' "
+                          "differs from 'model.embed_tokens.weight'; set tie_word_embeddings to false in config.json to "
+                          "keep both")
+
+
 def load_hf_folder(path: Path, families: Registry) -> tuple[nn.Module, ModelFamily]:
     path = Path(path)
     if not path.is_dir():
@@ -151,6 +161,7 @@ def load_hf_folder(path: Path, families: Registry) -> tuple[nn.Module, ModelFami
     model = build_from_config(family, hf, path)
     state = read_safetensors(path)
     check_shapes(model, state, path)
+    check_tied_head(model, state, path)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing or unexpected:
