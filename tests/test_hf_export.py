@@ -82,3 +82,32 @@ def test_rope_frequencies_hand_worked():
     assert theta_from_hf({"rope_theta": 1e6}) == 1e6 and theta_from_hf({}) == 10000.0
     assert scaling_from_hf({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}) is None
     assert scaling_from_hf({"rope_scaling": {"type": "linear", "factor": 2.0}}) == {"rope_type": "linear", "factor": 2.0}
+
+
+def test_a_checkpoint_of_an_hf_tokenizer_run_reloads_with_its_tokenizer(tmp_path):
+    """--save writes step_N/hf (what --resume builds the model and tokenizer from) and DIR/hf with
+    tokenizer_files(tokenizer): a run on an HF tokenizer (an HF folder, SmolLM2's GGUF) wrote no tokenizer there,
+    so --resume failed with 'cannot load a tokenizer', and DIR/hf did not load in transformers as a whole."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from miles_core.data.tokenizer import HFTokenizer, load_tokenizer
+    from miles_core.models.checkpoint import save_hf_folder
+    from miles_core.models.decoder import Decoder, DecoderConfig
+    from miles_core.orchestration.build import tokenizer_files
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(["reverse the string: abcdef"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    hf_tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    tok = HFTokenizer.wrap(hf_tok)
+    model = Decoder(DecoderConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
+    save_hf_folder(model, MilesPlugins(autoload=False).registries.model_families.get("llama"), tmp_path / "hf", tokenizer_files(tok))
+    back = load_tokenizer(tmp_path / "hf")
+    text = "reverse the string: fedcba"
+    assert back.encode(text) == tok.encode(text) and back.vocab_size == tok.vocab_size and back.eos_token_id == tok.eos_token_id
+    messages = [{"role": "user", "content": text}]
+    assert back.render_chat(messages) == tok.render_chat(messages)

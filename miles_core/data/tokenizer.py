@@ -65,6 +65,15 @@ class HFTokenizer:
         self._setup()
         return self
 
+    def files(self) -> dict[str, bytes]:
+        """The tokenizer's files as ``save_pretrained`` writes them, to be saved beside a checkpoint's weights: a
+        checkpoint that --resume or ``miles serve`` builds from reads its tokenizer from its own folder."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            self.tok.save_pretrained(tmp)
+            return {f.name: f.read_bytes() for f in Path(tmp).iterdir() if f.is_file()}
+
     def _setup(self) -> None:
         self.eos_token_id = self.tok.eos_token_id
         self.pad_token_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_token_id

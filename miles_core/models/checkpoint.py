@@ -52,11 +52,11 @@ def replace_dir(tmp: Path, dest: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def save_hf_folder(model: nn.Module, family: ModelFamily, dest: Path, extra_files: dict[str, str] | None = None) -> None:
+def save_hf_folder(model: nn.Module, family: ModelFamily, dest: Path, extra_files: dict[str, str | bytes] | None = None) -> None:
     save_hf_state(model.state_dict(), model.config, family, dest, extra_files)
 
 
-def save_hf_state(state: dict[str, torch.Tensor], cfg, family: ModelFamily, dest: Path, extra_files: dict[str, str] | None = None) -> None:
+def save_hf_state(state: dict[str, torch.Tensor], cfg, family: ModelFamily, dest: Path, extra_files: dict[str, str | bytes] | None = None) -> None:
     """Write full (unsharded) tensors ``state`` with the decoder config ``cfg`` as an HF folder."""
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     if cfg.tie_word_embeddings:
@@ -65,8 +65,11 @@ def save_hf_state(state: dict[str, torch.Tensor], cfg, family: ModelFamily, dest
     def write(tmp: Path) -> None:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(family.config_to_hf(cfg), indent=2))
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
+        for name, content in (extra_files or {}).items():  # text, or bytes (a tokenizer's files)
+            if isinstance(content, bytes):
+                (tmp / name).write_bytes(content)
+            else:
+                (tmp / name).write_text(content)
 
     atomic_dir(dest, write)
 

@@ -235,8 +235,10 @@ def load_teacher(cfg: MilesConfig, families, vocab_size: int) -> nn.Module | Non
     return teacher
 
 
-def tokenizer_files(tokenizer) -> dict[str, str]:
+def tokenizer_files(tokenizer) -> dict[str, str | bytes]:
     """Files to save beside a checkpoint so that it reloads with the same tokenizer."""
     if isinstance(tokenizer, CharTokenizer):
         return {CHAR_TOKENIZER_FILE: tokenizer.to_json()}
+    if isinstance(tokenizer, HFTokenizer):
+        return tokenizer.files()
     return {}
