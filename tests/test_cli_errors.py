@@ -95,3 +95,10 @@ def test_group_baseline_with_one_sample_leaves_no_run_folder(cli, tmp_path):
     assert "advantage_estimator=grpo" in line and "rollout.n_samples_per_prompt >= 2, got 1" in line
     assert not any((tmp_path / "runs").iterdir())  # refused before anything ran: no folder with only config.yaml
     assert "n_samples_per_prompt >= 2" in _one_line_error(cli("validate", "rollout.n_samples_per_prompt=1"))
+
+
+def test_a_model_folder_that_does_not_exist_is_named(cli, tmp_path):
+    """The tokenizer is read before the weights: a --load/--hf-checkpoint path that is not there was passed to
+    transformers, which answered about hub repo ids ('Repo id must be in the form ...')."""
+    line = _one_line_error(cli("validate", "--load", str(tmp_path / "runs" / "hf")))
+    assert line == f"error: model checkpoint '{tmp_path / 'runs' / 'hf'}' does not exist"

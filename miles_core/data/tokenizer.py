@@ -98,6 +98,8 @@ def load_tokenizer(path: Path | None) -> Tokenizer:
     if path is None:
         return CharTokenizer()
     path = Path(path)
+    if not path.is_dir():  # else transformers takes the path for a hub repo id and answers about its form
+        raise ConfigError(f"model checkpoint '{path}' does not exist")
     char_file = path / CHAR_TOKENIZER_FILE
     if char_file.is_file():
         return CharTokenizer(json.loads(char_file.read_text())["alphabet"])
