@@ -102,3 +102,15 @@ def test_a_model_folder_that_does_not_exist_is_named(cli, tmp_path):
     transformers, which answered about hub repo ids ('Repo id must be in the form ...')."""
     line = _one_line_error(cli("validate", "--load", str(tmp_path / "runs" / "hf")))
     assert line == f"error: model checkpoint '{tmp_path / 'runs' / 'hf'}' does not exist"
+
+
+def test_a_model_folder_without_a_tokenizer_is_one_line(cli, tmp_path):
+    """transformers' error for a folder with no tokenizer files runs over five lines; the CLI prints one."""
+    from miles_core.models.checkpoint import save_hf_folder
+    from miles_core.models.decoder import Decoder, DecoderConfig
+    from miles_core.plugins.manager import MilesPlugins
+
+    model = Decoder(DecoderConfig(vocab_size=60, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
+    save_hf_folder(model, MilesPlugins(autoload=False).registries.model_families.get("llama"), tmp_path / "m")
+    line = _one_line_error(cli("validate", "--hf-checkpoint", str(tmp_path / "m")))
+    assert line.startswith(f"error: cannot load a tokenizer from '{tmp_path / 'm'}': ")

@@ -53,8 +53,8 @@ class HFTokenizer:
 
         try:
             self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        except Exception as exc:
-            raise ConfigError(f"cannot load a tokenizer from '{path}': {exc}") from None
+        except Exception as exc:  # its message may run over several lines: the CLI prints one
+            raise ConfigError(f"cannot load a tokenizer from '{path}': {' '.join(str(exc).split())}") from None
         self._setup()
 
     @classmethod
