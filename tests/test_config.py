@@ -116,3 +116,12 @@ def test_invalid_yaml_names_the_line(tmp_path):
 def test_missing_recipe():
     with pytest.raises(ConfigError, match="recipe file 'nope.yaml' does not exist"):
         load_config("nope.yaml")
+
+
+def test_a_seed_torch_cannot_take_is_refused():
+    """torch.manual_seed takes [-2**63, 2**64); a larger --seed stopped build() with torch's ValueError traceback."""
+    for seed in (2**64, -(2**63) - 1):
+        with pytest.raises(ConfigError, match=rf"run.seed must be in \[-2\*\*63, 2\*\*64\), got {seed}"):
+            load_config(None, ["--seed", str(seed)])
+    assert load_config(None, ["--seed", str(2**64 - 1)]).run.seed == 2**64 - 1
+    assert load_config(None, ["--seed", "-1"]).run.seed == -1

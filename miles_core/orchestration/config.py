@@ -29,6 +29,8 @@ class RunConfig:
             raise ConfigError("--resume needs run.save (--save DIR): the folder whose newest checkpoint to continue")
         if self.load_rollouts and self.mode != "rl":
             raise ConfigError(f"run.load_rollouts trains on saved rollouts: it needs run.mode=rl, got '{self.mode}'")
+        if not -(2**63) <= self.seed < 2**64:  # what torch.manual_seed takes
+            raise ConfigError(f"run.seed must be in [-2**63, 2**64), got {self.seed}")
         if self.num_rollout < 0:
             raise ConfigError(f"run.num_rollout must be >= 0, got {self.num_rollout}")
         if self.save_interval < 0:
