@@ -409,3 +409,23 @@ def test_a_task_failing_to_give_prompts_leaves_no_engine_open(tmp_path, monkeypa
     with pytest.raises(DataError, match="broken"):
         run_loop(c, lambda record: None)
     assert opened == closed
+
+
+def test_a_timeout_raised_by_reward_code_is_its_error_not_reward_timeout_s():
+    """A verifier's own network timeout (urllib and sockets raise TimeoutError) was reported as
+    "timed out after 30.0s", pointing at reward.timeout_s, a setting it had nothing to do with."""
+    import pytest
+
+    from miles_core.rewards.runner import RewardError, score_samples
+    from miles_core.types import Sample
+
+    def sync_http(sample):
+        raise TimeoutError("read timed out")
+
+    async def async_http(sample):
+        raise TimeoutError("connect timed out")
+
+    s = [Sample("p", [1], [2], "x", [0.0])]
+    for fn in (sync_http, async_http):
+        with pytest.raises(RewardError, match=r"^reward 'http' raised TimeoutError: \w+ timed out \(sample 0, prompt 'p'\)$"):
+            score_samples(fn, "http", s, 30.0)

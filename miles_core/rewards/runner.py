@@ -34,15 +34,17 @@ def _check(value: object, name: str, sample: Sample) -> float:
 
 async def _score_all(fn: RewardFn, name: str, samples: list[Sample], timeout: float) -> list[float]:
     async def one(sample: Sample) -> float:
+        scope = asyncio.timeout(timeout)
         try:
             value = fn(sample)
             if inspect.isawaitable(value):
-                value = await asyncio.wait_for(value, timeout)
-        except asyncio.TimeoutError:
-            raise RewardError(f"reward '{name}' timed out after {timeout}s on sample {sample.index}") from None
+                async with scope:
+                    value = await value
         except MilesUserError:
             raise
         except Exception as exc:
+            if scope.expired():  # reward.timeout_s ran out; a TimeoutError of the reward's own code is its error
+                raise RewardError(f"reward '{name}' timed out after {timeout}s on sample {sample.index}") from None
             raise RewardError(f"reward '{name}' raised {type(exc).__name__}: {exc} (sample {sample.index}, prompt {sample.prompt!r})") from None
         return _check(value, name, sample)
 
