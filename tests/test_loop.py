@@ -429,3 +429,23 @@ def test_a_timeout_raised_by_reward_code_is_its_error_not_reward_timeout_s():
     for fn in (sync_http, async_http):
         with pytest.raises(RewardError, match=r"^reward 'http' raised TimeoutError: \w+ timed out \(sample 0, prompt 'p'\)$"):
             score_samples(fn, "http", s, 30.0)
+
+
+def test_a_sync_reward_may_run_its_own_event_loop():
+    """A sync reward is plain code: one that drives an async client with asyncio.run (itself or inside a library)
+    failed with "asyncio.run() cannot be called from a running event loop", the runner's own loop."""
+    import asyncio
+
+    from miles_core.rewards.runner import score_samples
+    from miles_core.types import Sample
+
+    async def remote(sample):
+        await asyncio.sleep(0)
+        return 0.25 * len(sample.response)
+
+    def sync_client(sample):
+        return asyncio.run(remote(sample))
+
+    s = [Sample("p", [1], [2], "x", [0.0]), Sample("p", [1], [2], "xy", [0.0], index=1)]
+    assert score_samples(sync_client, "client", s, 1.0) == [0.25, 0.5]
+    assert score_samples(remote, "remote", s, 1.0) == [0.25, 0.5]  # and an async one is still awaited

@@ -32,28 +32,56 @@ def _check(value: object, name: str, sample: Sample) -> float:
     return float(value)
 
 
-async def _score_all(fn: RewardFn, name: str, samples: list[Sample], timeout: float) -> list[float]:
-    async def one(sample: Sample) -> float:
-        scope = asyncio.timeout(timeout)
-        try:
-            value = fn(sample)
-            if inspect.isawaitable(value):
-                async with scope:
-                    value = await value
-        except MilesUserError:
-            raise
-        except Exception as exc:
-            if scope.expired():  # reward.timeout_s ran out; a TimeoutError of the reward's own code is its error
-                raise RewardError(f"reward '{name}' timed out after {timeout}s on sample {sample.index}") from None
-            raise RewardError(f"reward '{name}' raised {type(exc).__name__}: {exc} (sample {sample.index}, prompt {sample.prompt!r})") from None
-        return _check(value, name, sample)
+def _raised(name: str, exc: Exception, sample: Sample) -> RewardError:
+    return RewardError(f"reward '{name}' raised {type(exc).__name__}: {exc} (sample {sample.index}, prompt {sample.prompt!r})")
 
-    return list(await asyncio.gather(*(one(s) for s in samples)))
+
+def _call(fn: RewardFn, name: str, sample: Sample) -> object:
+    """``fn(sample)``, called outside any event loop: a sync reward is plain code and may run one of its own
+    (``asyncio.run``, itself or inside a client library)."""
+    try:
+        return fn(sample)
+    except MilesUserError:
+        raise
+    except Exception as exc:
+        raise _raised(name, exc, sample) from None
+
+
+async def _settle(value: object, name: str, sample: Sample, timeout: float) -> object:
+    """An async reward's value, awaited under ``reward.timeout_s``; anything else as it is."""
+    if not inspect.isawaitable(value):
+        return value
+    scope = asyncio.timeout(timeout)
+    try:
+        async with scope:
+            return await value
+    except MilesUserError:
+        raise
+    except Exception as exc:
+        if scope.expired():  # reward.timeout_s ran out; a TimeoutError of the reward's own code is its error
+            raise RewardError(f"reward '{name}' timed out after {timeout}s on sample {sample.index}") from None
+        raise _raised(name, exc, sample) from None
+
+
+async def _settle_all(values: list, name: str, samples: list[Sample], timeout: float) -> list:
+    return list(await asyncio.gather(*(_settle(v, name, s, timeout) for v, s in zip(values, samples))))
 
 
 def score_samples(fn: RewardFn, name: str, samples: list[Sample], timeout: float) -> list[float]:
-    """Set ``sample.reward`` on every sample and return the rewards in order."""
-    rewards = asyncio.run(_score_all(fn, name, samples, timeout))
+    """Set ``sample.reward`` on every sample and return the rewards in order. Every call is made first; the
+    awaitables they return (async rewards) are then awaited together."""
+    values: list = []
+    try:
+        for s in samples:
+            values.append(_call(fn, name, s))
+    except BaseException:
+        for v in values:  # the coroutines made so far are never awaited
+            if inspect.iscoroutine(v):
+                v.close()
+        raise
+    if any(inspect.isawaitable(v) for v in values):
+        values = asyncio.run(_settle_all(values, name, samples, timeout))
+    rewards = [_check(v, name, s) for v, s in zip(values, samples)]
     for s, r in zip(samples, rewards):
         s.reward = r
     return rewards
