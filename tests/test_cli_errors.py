@@ -114,3 +114,14 @@ def test_a_model_folder_without_a_tokenizer_is_one_line(cli, tmp_path):
     save_hf_folder(model, MilesPlugins(autoload=False).registries.model_families.get("llama"), tmp_path / "m")
     line = _one_line_error(cli("validate", "--hf-checkpoint", str(tmp_path / "m")))
     assert line.startswith(f"error: cannot load a tokenizer from '{tmp_path / 'm'}': ")
+
+
+def test_custom_rm_path_takes_slime_s_dotted_path(cli, tmp_path):
+    """--custom-rm-path is a slime flag, and slime's value is a dotted path (pkg.module.function); it was refused as
+    an unknown registered reward. The module:function form still works."""
+    (tmp_path / "myrewards.py").write_text("def score(sample):\n    return 1.0\n")
+    for spec in ("myrewards.score", "myrewards:score"):
+        out = cli("validate", "--custom-rm-path", spec, cwd=tmp_path)
+        assert out.returncode == 0 and f"reward {spec}," in out.stdout, out.stderr
+    line = _one_line_error(cli("validate", "--custom-rm-path", "myrewards.scor", cwd=tmp_path))
+    assert "module 'myrewards' has no function 'scor'" in line and "did you mean 'score'" in line

@@ -86,7 +86,7 @@ def resolve_reward(cfg: MilesConfig, plugins: MilesPlugins, task: Task) -> tuple
     name = cfg.reward.name
     if name == "task":
         return (lambda s: task.score(s.response, s.label)), f"task:{cfg.data.task}"
-    if ":" in name:
+    if ":" in name or ("." in name and name not in plugins.registries.rewards):  # slime's module.function too
         return load_reward_path(name), name
     return check_reward_fn(plugins.registries.rewards.get(name, key="reward.name"), name), name
 

@@ -27,7 +27,8 @@ def check_reward_fn(fn: object, where: str) -> RewardFn:
 
 
 def load_reward_path(spec: str) -> RewardFn:
-    module_name, _, attr = spec.partition(":")
+    """``module:function``, or slime's dotted ``module.function`` (the value of its ``--custom-rm-path``)."""
+    module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
     if not module_name or not attr:
         raise ConfigError(f"reward.name '{spec}' is not 'module:function'")
     if str(Path.cwd()) not in sys.path:
