@@ -131,8 +131,9 @@ def rl_step(c: Components, trainer, aux: AuxModels, samples: list[Sample], metri
         reward_mean=sum(rewards) / len(rewards),
         train_accuracy=sum(c.task.score(s.response, s.label) >= 1.0 for s in samples) / len(samples),
         response_len=n_tokens / len(samples),
-        rollout_tok_s=n_tokens / max(metrics.get("time_generate", 0.0), 1e-9),
     )
+    if metrics.get("time_generate", 0.0) > 0:  # saved rollouts (run.load_rollouts) were not generated: no throughput
+        metrics["rollout_tok_s"] = n_tokens / metrics["time_generate"]
     return metrics
 
 

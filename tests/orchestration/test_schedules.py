@@ -123,6 +123,16 @@ def test_training_from_saved_rollouts_reproduces_the_run(tmp_path):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
 
 
+def test_training_from_saved_rollouts_reports_no_generation_throughput(tmp_path):
+    """Saved rollouts take no generation time (time_generate 0.0): rollout_tok_s was tokens / 1e-9, trillions
+    of tokens per second in metrics.jsonl and the live table."""
+    saved = tmp_path / "rollouts"
+    _, first = _run(tiny_config(tmp_path, "run.num_rollout=1", f"run.save_rollouts={saved}"))
+    assert 0 < first[0]["rollout_tok_s"] < 1e9
+    _, second = _run(tiny_config(tmp_path, "run.num_rollout=1", f"run.load_rollouts={saved}"))
+    assert second[0]["time_generate"] == 0.0 and "rollout_tok_s" not in second[0]
+
+
 def test_saved_rollouts_of_another_model_are_refused_with_their_file(tmp_path):
     # rollouts saved by a run of another model (another tokenizer) hold ids the trainer's embedding does not have:
     # that failed in the trainer's forward with 'IndexError: index out of range in self'
