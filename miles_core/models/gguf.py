@@ -9,6 +9,7 @@ the same family mapping as a safetensors folder.
 from __future__ import annotations
 
 import contextlib
+import struct
 from pathlib import Path
 
 import torch
@@ -85,7 +86,7 @@ def load_gguf(path: Path, families: Registry) -> tuple[nn.Module, ModelFamily, o
         with gguf_read_once():
             hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except (ValueError, OSError, KeyError, RuntimeError) as exc:  # not a GGUF, truncated, an architecture it lacks
+    except (ValueError, OSError, KeyError, RuntimeError, struct.error) as exc:  # not a GGUF, truncated, an architecture it lacks
         raise ConfigError(f"GGUF file '{path}': transformers cannot load it ({exc})") from None
     cfg = hf.config.to_dict()
     family = family_for(cfg, families, path)

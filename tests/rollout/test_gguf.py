@@ -73,3 +73,18 @@ def test_a_file_that_is_not_gguf_is_refused_by_name(tmp_path):
     bad.write_bytes(b"not a gguf file at all")
     with pytest.raises(ConfigError, match=f"GGUF file '{bad}': transformers cannot load it .*magic"):
         load_gguf(bad, MilesPlugins().registries.model_families)
+
+
+def test_a_truncated_gguf_file_is_refused_by_name(tmp_path):
+    """A GGUF cut short (an interrupted download or copy) failed in gguf's reader with struct.error and a traceback."""
+    pytest.importorskip("gguf")
+    import struct
+
+    from miles_core.errors import ConfigError
+    from miles_core.models.gguf import load_gguf
+    from miles_core.plugins.manager import MilesPlugins
+
+    cut = tmp_path / "model.gguf"
+    cut.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 5))  # version 3, no tensors, 5 metadata entries that are not there
+    with pytest.raises(ConfigError, match=f"GGUF file '{cut}': transformers cannot load it"):
+        load_gguf(cut, MilesPlugins().registries.model_families)
