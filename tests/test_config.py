@@ -125,3 +125,13 @@ def test_a_seed_torch_cannot_take_is_refused():
             load_config(None, ["--seed", str(seed)])
     assert load_config(None, ["--seed", str(2**64 - 1)]).run.seed == 2**64 - 1
     assert load_config(None, ["--seed", "-1"]).run.seed == -1
+
+
+def test_nan_is_not_a_number_a_config_key_takes():
+    """Every range check is a comparison, and NaN fails none of them: train.lr=nan trained to NaN weights and
+    reward.timeout_s=nan timed out every async reward at once ('timed out after nans')."""
+    for override in ("train.lr=nan", "reward.timeout_s=.nan", "algorithm.eps_clip=NaN"):
+        key = override.split("=")[0]
+        with pytest.raises(ConfigError, match=f"config key '{key}' must be a number, got nan"):
+            load_config(None, [override])
+    assert load_config(None, ["reward.timeout_s=inf"]).reward.timeout_s == float("inf")  # no limit: still a number

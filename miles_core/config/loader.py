@@ -6,6 +6,7 @@ Every error names the key (and the file) and, for an unknown key, the closest va
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -66,7 +67,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        # NaN passes every range check (each is a comparison, and NaN compares false): it is refused here
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
             return float(value)
         raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
     if tp is str:
