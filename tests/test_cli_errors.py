@@ -125,3 +125,16 @@ def test_custom_rm_path_takes_slime_s_dotted_path(cli, tmp_path):
         assert out.returncode == 0 and f"reward {spec}," in out.stdout, out.stderr
     line = _one_line_error(cli("validate", "--custom-rm-path", "myrewards.scor", cwd=tmp_path))
     assert "module 'myrewards' has no function 'scor'" in line and "did you mean 'score'" in line
+
+
+def test_an_output_folder_under_a_file_is_refused_before_the_run(cli, tmp_path):
+    """--save DIR is first written at the end of training: a DIR that is a file (or under one) failed then, with
+    NotADirectoryError and a traceback, the whole run lost. --save-rollouts and run.output_dir failed likewise."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    line = _one_line_error(cli("validate", "--save", str(afile)))
+    assert line == f"error: run.save '{afile}': '{afile}' is a file, not a folder"
+    line = _one_line_error(cli("validate", "--save-rollouts", str(afile / "sub")))
+    assert line == f"error: run.save_rollouts '{afile / 'sub'}': '{afile}' is a file, not a folder"
+    line = _one_line_error(cli("run", f"run.output_dir={afile}"))
+    assert line == f"error: run.output_dir '{afile}': '{afile}' is a file, not a folder"

@@ -100,6 +100,20 @@ def apply_resume(cfg: MilesConfig) -> None:
     cfg.run.load = cfg.run.save
 
 
+def check_output_dirs(cfg: MilesConfig) -> None:
+    """The folders a run writes must be folders, or be creatable: one that is a file (or under one) failed only when
+    first written, for run.save after the whole run's training, with NotADirectoryError."""
+    for key in ("run.save", "run.save_rollouts", "run.output_dir"):
+        path = getattr(cfg.run, key.split(".")[1])
+        if not path:
+            continue
+        existing = Path(path)
+        while not existing.exists() and existing != existing.parent:  # the nearest part of the path that is there
+            existing = existing.parent
+        if existing.exists() and not existing.is_dir():
+            raise ConfigError(f"{key} '{path}': '{existing}' is a file, not a folder")
+
+
 def check_resume_data(cfg: MilesConfig, task: Task) -> None:
     """A resumed RL run replays the prompt stream from its checkpoint's position, which is exact only over the data
     the checkpoint was saved with: checked here, before any engine or trainer is built (``miles validate`` too).
@@ -114,6 +128,7 @@ def check_resume_data(cfg: MilesConfig, task: Task) -> None:
 
 def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> Components:
     regs = plugins.registries
+    check_output_dirs(cfg)
     apply_resume(cfg)
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
