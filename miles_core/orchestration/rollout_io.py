@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from miles_core.errors import DataError
+from miles_core.rewards.runner import is_reward_value
 from miles_core.types import Sample
 
 
@@ -35,6 +36,27 @@ def save_rollouts(root: str | Path, step: int, samples: list[Sample]) -> Path:
     return dest
 
 
+def _token_ids(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def check_row(row: object) -> None:
+    """What training reads from a saved row, checked (a TypeError saying what is wrong): rows edited by hand or
+    written by another tool otherwise failed as AttributeError / TypeError tracebacks, at load or in training."""
+    if not isinstance(row, dict):
+        raise TypeError(f"a JSON object, got {type(row).__name__}")
+    for key in ("prompt_ids", "response_ids"):
+        if not _token_ids(row.get(key)):
+            raise TypeError(f"'{key}' must be a list of token ids, got {row.get(key)!r:.40}")
+    if not is_reward_value(row.get("reward")):
+        raise TypeError(f"'reward' must be a finite number, got {row.get('reward')!r:.40}")
+    logprobs = row.get("rollout_logprobs")
+    if not isinstance(logprobs, list):
+        raise TypeError(f"'rollout_logprobs' must be a list of numbers, got {logprobs!r:.40}")
+    if logprobs and len(logprobs) != len(row["response_ids"]):  # empty: none recorded
+        raise TypeError(f"'rollout_logprobs' has {len(logprobs)} values for {len(row['response_ids'])} response tokens")
+
+
 def load_rollouts(root: str | Path, step: int, vocab_size: int | None = None) -> list[Sample]:
     """``DIR/step_N.jsonl``; with ``vocab_size``, a token id outside it (rollouts of another model) is refused."""
     path = step_file(root, step)
@@ -44,6 +66,7 @@ def load_rollouts(root: str | Path, step: int, vocab_size: int | None = None) ->
     for i, line in enumerate(path.read_text().splitlines()):
         try:
             row = json.loads(line)
+            check_row(row)
             if row.get("routed_experts") is not None:
                 import torch
 

@@ -146,6 +146,27 @@ def test_saved_rollouts_of_another_model_are_refused_with_their_file(tmp_path):
         run_loop(c, lambda r: None)
 
 
+@pytest.mark.parametrize("edit, problem", [
+    (lambda row: [row], "a JSON object, got list"),
+    (lambda row: {**row, "prompt_ids": "abc"}, "'prompt_ids' must be a list of token ids"),
+    (lambda row: {**row, "response_ids": None}, "'response_ids' must be a list of token ids"),
+    (lambda row: {**row, "reward": "x"}, "'reward' must be a finite number, got 'x'"),
+    (lambda row: {**row, "reward": None}, "'reward' must be a finite number, got None"),
+    (lambda row: {**row, "rollout_logprobs": [0.0] * 9}, r"'rollout_logprobs' has 9 values for \d response tokens"),
+])
+def test_a_saved_rollout_row_that_is_not_a_sample_is_named(tmp_path, edit, problem):
+    """Rollouts edited by hand or written by another tool: a row that is not an object, ids that are not lists of
+    ints, a reward that is not a number went through as AttributeError / TypeError tracebacks, at load or in
+    training (a reward of 'x' was accepted and failed in the advantage estimator)."""
+    saved = tmp_path / "rollouts"
+    _run(tiny_config(tmp_path, "run.num_rollout=1", f"run.save_rollouts={saved}", "rollout.max_response_len=4"))
+    rows = [json.loads(line) for line in (saved / "step_1.jsonl").read_text().splitlines()]
+    rows[1] = edit(rows[1])
+    (saved / "step_1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=rf"step_1.jsonl line 2: not a saved sample \({problem}"):
+        load_rollouts(saved, 1, 52)
+
+
 def test_rollout_mode_saves_samples_and_does_not_train(tmp_path):
     cfg = tiny_config(tmp_path, "run.mode=rollout", "run.num_rollout=2")
     pm = MilesPlugins(autoload=False)
