@@ -138,3 +138,9 @@ def test_an_output_folder_under_a_file_is_refused_before_the_run(cli, tmp_path):
     assert line == f"error: run.save_rollouts '{afile / 'sub'}': '{afile}' is a file, not a folder"
     line = _one_line_error(cli("run", f"run.output_dir={afile}"))
     assert line == f"error: run.output_dir '{afile}': '{afile}' is a file, not a folder"
+
+
+def test_load_rollouts_from_a_folder_that_is_not_there_is_refused_by_validate(cli, tmp_path):
+    """miles validate said ok; miles run built the trainer, ran the SFT warm-up, then stopped at step 1."""
+    line = _one_line_error(cli("validate", "--load-rollouts", str(tmp_path / "nowhere")))
+    assert line == f"error: run.load_rollouts: '{tmp_path / 'nowhere'}' does not exist (save rollouts there with --save-rollouts)"

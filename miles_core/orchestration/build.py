@@ -19,7 +19,7 @@ from miles_core.config.schema import MilesConfig
 from miles_core.context import RunContext
 from miles_core.data.base import Task
 from miles_core.data.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer, HFTokenizer, load_tokenizer
-from miles_core.errors import ConfigError, PluginError
+from miles_core.errors import ConfigError, DataError, PluginError
 from miles_core.kernels.base import Kernels
 from miles_core.models.base import ModelFamily
 from miles_core.models.checkpoint import load_hf_folder
@@ -100,9 +100,10 @@ def apply_resume(cfg: MilesConfig) -> None:
     cfg.run.load = cfg.run.save
 
 
-def check_output_dirs(cfg: MilesConfig) -> None:
+def check_run_folders(cfg: MilesConfig) -> None:
     """The folders a run writes must be folders, or be creatable: one that is a file (or under one) failed only when
-    first written, for run.save after the whole run's training, with NotADirectoryError."""
+    first written, for run.save after the whole run's training, with NotADirectoryError. The folder of saved
+    rollouts to train on must be there."""
     for key in ("run.save", "run.save_rollouts", "run.output_dir"):
         path = getattr(cfg.run, key.split(".")[1])
         if not path:
@@ -112,6 +113,8 @@ def check_output_dirs(cfg: MilesConfig) -> None:
             existing = existing.parent
         if existing.exists() and not existing.is_dir():
             raise ConfigError(f"{key} '{path}': '{existing}' is a file, not a folder")
+    if cfg.run.load_rollouts and not Path(cfg.run.load_rollouts).is_dir():  # else found at step 1, after the warm-up
+        raise DataError(f"run.load_rollouts: '{cfg.run.load_rollouts}' does not exist (save rollouts there with --save-rollouts)")
 
 
 def check_resume_data(cfg: MilesConfig, task: Task) -> None:
@@ -128,7 +131,7 @@ def check_resume_data(cfg: MilesConfig, task: Task) -> None:
 
 def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> Components:
     regs = plugins.registries
-    check_output_dirs(cfg)
+    check_run_folders(cfg)
     apply_resume(cfg)
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)

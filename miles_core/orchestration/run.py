@@ -17,7 +17,7 @@ from miles_core.models.checkpoint import save_hf_folder
 from miles_core.observe.metrics import MetricsLog
 from miles_core.observe.plot import plot_curves
 from miles_core.observe.view import LiveView, plugins_table, summary_table
-from miles_core.orchestration.build import build, check_output_dirs, tokenizer_files
+from miles_core.orchestration.build import build, check_run_folders, tokenizer_files
 from miles_core.orchestration.loop import run_loop
 from miles_core.plugins.manager import MilesPlugins
 
@@ -37,7 +37,7 @@ def new_output_dir(cfg: MilesConfig) -> Path:
 def run(cfg: MilesConfig, plugins: MilesPlugins, console: Console | None = None) -> dict[str, Any]:
     console = console or Console()
     console.print(plugins_table(plugins.info()))
-    check_output_dirs(cfg)  # before the run folder is made in run.output_dir
+    check_run_folders(cfg)  # before the run folder is made in run.output_dir
     out = new_output_dir(cfg)
     (out / "config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
     try:
