@@ -195,3 +195,35 @@ def test_a_tied_checkpoint_whose_head_differs_from_its_embedding_is_refused(tmp_
     save_file({**state, "lm_head.weight": torch.randn_like(embed)}, str(f))
     with pytest.raises(ConfigError, match="tie_word_embeddings is true, but its 'lm_head.weight' differs from 'model.embed_tokens.weight'"):
         load_hf_folder(tmp_path / "ckpt", regs.model_families)
+
+
+def test_a_sharded_folder_loads_the_shards_its_index_names(tmp_path):
+    """model.safetensors.index.json says which files hold the model (transformers reads only those): every
+    *.safetensors in the folder was read, so an earlier save's shards left beside the new ones (another shard
+    count: other names) were loaded over them, sorted after them. A shard the index names that is missing is named."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from miles_core.errors import ConfigError
+
+    regs = MilesPlugins(autoload=False).registries
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
+    ckpt = tmp_path / "ckpt"
+    save_hf_folder(model, regs.model_families.get("llama"), ckpt)
+    state = load_file(str(ckpt / "model.safetensors"))
+    (ckpt / "model.safetensors").unlink()
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[:3], "model-00002-of-00002.safetensors": names[3:]}
+    for shard, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(ckpt / shard))
+    index = {"metadata": {}, "weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    save_file({k: torch.zeros_like(state[k]) for k in names[:3]}, str(ckpt / "model-00001-of-00003.safetensors"))  # stale
+    back, _ = load_hf_folder(ckpt, regs.model_families)
+    for k in names:
+        assert torch.equal(back.state_dict()[k], state[k]), k
+    (ckpt / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ConfigError, match="'model-00002-of-00002.safetensors', which model.safetensors.index.json names, is not there"):
+        load_hf_folder(ckpt, regs.model_families)

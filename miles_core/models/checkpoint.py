@@ -110,9 +110,31 @@ def family_for(hf: dict, families: Registry, path: Path) -> ModelFamily:
     )
 
 
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The shards ``model.safetensors.index.json`` names, as transformers reads a sharded folder (other
+    ``*.safetensors`` there, such as an earlier save's shards of another count, are not the model); without an
+    index (or beside a ``model.safetensors``), every ``*.safetensors`` file."""
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    if not index.is_file() or (folder / "model.safetensors").is_file():
+        return sorted(folder.glob("*.safetensors"))
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"{index}: not a safetensors index (no weight_map of tensor -> file: {exc})") from None
+    for name in names:
+        if not (folder / name).is_file():
+            raise ConfigError(f"model checkpoint '{folder}': '{name}', which {INDEX_FILE} names, is not there")
+    return [folder / name for name in names]
+
+
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every ``*.safetensors`` file in ``folder``; a ConfigError naming the file that cannot be read."""
-    files = sorted(Path(folder).glob("*.safetensors"))
+    """Every tensor of the model's ``*.safetensors`` files in ``folder`` (:func:`weight_files`); a ConfigError naming
+    the file that cannot be read."""
+    files = weight_files(folder)
     if not files:
         raise ConfigError(f"model checkpoint '{folder}' has no *.safetensors file")
     state: dict[str, torch.Tensor] = {}
