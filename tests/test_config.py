@@ -135,3 +135,22 @@ def test_nan_is_not_a_number_a_config_key_takes():
         with pytest.raises(ConfigError, match=f"config key '{key}' must be a number, got nan"):
             load_config(None, [override])
     assert load_config(None, ["reward.timeout_s=inf"]).reward.timeout_s == float("inf")  # no limit: still a number
+
+
+@pytest.mark.parametrize("args, key, expected", [
+    (["--save", "runs/lr 1e-5 #2"], "run.save", "runs/lr 1e-5 #2"),  # YAML took ' #2' for a comment: saved to runs/lr 1e-5
+    (["--save", "1e-5"], "run.save", "1e-5"),  # read as a float: '1e-05'
+    (["--load", "0755"], "run.load", "0755"),  # read as YAML 1.1 octal: '493'
+    (["--hf-checkpoint", "007"], "model.hf_checkpoint", "007"),  # '7'
+    (["run.name=1.10"], "run.name", "1.10"),  # '1.1'
+    (["run.name=yes"], "run.name", "yes"),  # refused: 'must be a string, got True'
+    (["data.train_path=1e3"], "data.train_path", "1e3"),
+    (["--save", "null"], "run.save", None),  # an optional text key is still unset by null / none / ~
+    (["run.save=None"], "run.save", None),
+])
+def test_a_text_key_takes_its_command_line_value_as_written(args, key, expected):
+    """A path or a name on the command line was read as YAML and turned back into text, so the folder written or
+    read was another one than the user gave."""
+    cfg = load_config(None, args)
+    section, name = key.split(".")
+    assert getattr(getattr(cfg, section), name) == expected

@@ -103,6 +103,42 @@ SGLANG_FLAG_PREFIX = "--sglang-"
 SERVER_ARGS_KEY = "rollout.sglang.server_args."
 
 
+def _key_type(parts: list[str]) -> Any:
+    """The annotation of the config key ``parts`` (section, name), or None where there is no such key."""
+    tp: Any = MilesConfig
+    for part in parts:
+        if not dataclasses.is_dataclass(tp):
+            return None
+        tp = typing.get_type_hints(tp).get(part)
+    return tp
+
+
+def _is_text(tp: Any) -> bool:
+    return tp is str or (typing.get_origin(tp) in (typing.Union, types.UnionType) and set(typing.get_args(tp)) == {str, type(None)})
+
+
+def _cli_value(raw: str, tp: Any) -> Any:
+    """A command-line value. For a text key (a path, a name) the text as written: read as YAML and turned back into
+    text, '1e-5' became '1e-05', '0755' '493' and 'runs/a #2' 'runs/a'; null / none / ~ still unset an optional one.
+    Any other key's value is read as YAML, and a number YAML 1.1 leaves as text ('2e-5') as a number."""
+    if _is_text(tp):
+        return None if tp is not str and raw.lower() in ("null", "none", "~") else raw
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    if value is None and raw.lower() not in ("null", "none", "~"):
+        value = raw
+    if isinstance(value, str) and value.lower() == "none":
+        value = None
+    elif isinstance(value, str):
+        try:  # YAML 1.1 reads "2e-5" as a string; on the command line it is a number
+            value = float(value)
+        except ValueError:
+            pass
+    return value
+
+
 def _set_dotted(cfg: MilesConfig, key: str, raw: str, source: str) -> None:
     if key.startswith(SERVER_ARGS_KEY):  # one entry of the mapping, not the whole mapping
         name = key[len(SERVER_ARGS_KEY):]
@@ -119,20 +155,7 @@ def _set_dotted(cfg: MilesConfig, key: str, raw: str, source: str) -> None:
     cursor = nested
     for part in parts[:-1]:
         cursor = cursor.setdefault(part, {})
-    try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
-        value = raw
-    if value is None and raw.lower() not in ("null", "none", "~"):
-        value = raw
-    if isinstance(value, str) and value.lower() == "none":
-        value = None
-    elif isinstance(value, str):
-        try:  # YAML 1.1 reads "2e-5" as a string; on the command line it is a number
-            value = float(value)
-        except ValueError:
-            pass
-    cursor[parts[-1]] = value
+    cursor[parts[-1]] = _cli_value(raw, _key_type(parts))
     if len(parts) == 1:
         raise ConfigError(f"{source}: '{key}' is not a config key; keys look like section.name{did_you_mean(key, _all_keys())}")
     _apply(cfg, nested, "", source)
