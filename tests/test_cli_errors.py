@@ -144,3 +144,12 @@ def test_load_rollouts_from_a_folder_that_is_not_there_is_refused_by_validate(cl
     """miles validate said ok; miles run built the trainer, ran the SFT warm-up, then stopped at step 1."""
     line = _one_line_error(cli("validate", "--load-rollouts", str(tmp_path / "nowhere")))
     assert line == f"error: run.load_rollouts: '{tmp_path / 'nowhere'}' does not exist (save rollouts there with --save-rollouts)"
+
+
+def test_a_weights_file_given_as_the_model_folder_is_named_as_a_file(cli, tmp_path):
+    """--hf-checkpoint takes the folder; given its model.safetensors (a file that is there) the error said
+    'does not exist'."""
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"x")
+    line = _one_line_error(cli("validate", "--hf-checkpoint", str(weights)))
+    assert line == f"error: model checkpoint '{weights}' is a file; give the HF folder that holds it (or a .gguf file)"

@@ -93,13 +93,20 @@ class HFTokenizer:
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def missing_folder(path: Path) -> str:
+    """Why ``path`` is not a model folder: absent, or a file (the weights file itself, a .gguf with another suffix)."""
+    if path.is_file():
+        return f"model checkpoint '{path}' is a file; give the HF folder that holds it (or a .gguf file)"
+    return f"model checkpoint '{path}' does not exist"
+
+
 def load_tokenizer(path: Path | None) -> Tokenizer:
     """The tokenizer of a checkpoint folder, or the default character tokenizer."""
     if path is None:
         return CharTokenizer()
     path = Path(path)
     if not path.is_dir():  # else transformers takes the path for a hub repo id and answers about its form
-        raise ConfigError(f"model checkpoint '{path}' does not exist")
+        raise ConfigError(missing_folder(path))
     char_file = path / CHAR_TOKENIZER_FILE
     if char_file.is_file():
         return CharTokenizer(json.loads(char_file.read_text())["alphabet"])

@@ -13,6 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from miles_core.data.tokenizer import missing_folder
 from miles_core.errors import ConfigError
 from miles_core.models.base import ModelFamily
 from miles_core.plugins.registry import Registry
@@ -180,7 +181,7 @@ def check_tied_head(model: nn.Module, state: dict[str, torch.Tensor], path: Path
 def load_hf_folder(path: Path, families: Registry) -> tuple[nn.Module, ModelFamily]:
     path = Path(path)
     if not path.is_dir():
-        raise ConfigError(f"model checkpoint '{path}' does not exist")
+        raise ConfigError(missing_folder(path))
     hf = read_hf_config(path)
     family = family_for(hf, families, path)
     model = build_from_config(family, hf, path)
