@@ -153,3 +153,16 @@ def test_a_weights_file_given_as_the_model_folder_is_named_as_a_file(cli, tmp_pa
     weights.write_bytes(b"x")
     line = _one_line_error(cli("validate", "--hf-checkpoint", str(weights)))
     assert line == f"error: model checkpoint '{weights}' is a file; give the HF folder that holds it (or a .gguf file)"
+
+
+def test_a_recipe_that_is_not_yaml_text_is_one_line(cli, tmp_path):
+    """A model file given as RECIPE by mistake (or a recipe saved in Latin-1): bytes that are not UTF-8 stopped
+    load_config with UnicodeDecodeError and a traceback; control characters gave a two-line YAML error."""
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("run:\n  name: caf\xe9\n".encode("latin-1"))
+    line = _one_line_error(cli("validate", str(latin1)))
+    assert line.startswith(f"error: {latin1}: not UTF-8 text")
+    binary = tmp_path / "model.gguf"
+    binary.write_bytes(b"GGUF\x03\x00\x00\x00")
+    line = _one_line_error(cli("validate", str(binary)))
+    assert line.startswith(f"error: {binary}: not valid YAML (unacceptable character")

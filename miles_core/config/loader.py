@@ -210,11 +210,14 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> 
         if not path.is_file():
             raise ConfigError(f"recipe file '{path}' does not exist")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as exc:  # another file given as RECIPE (a model file), or a recipe in another encoding
+            raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); a recipe is a YAML file") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+            problem = " ".join(str(getattr(exc, "problem", exc)).split())  # on one line, as the CLI prints it
+            raise ConfigError(f"{path}{where}: not valid YAML ({problem})") from None
         _apply(cfg, data, "", str(path))
     for key, value, source in parse_cli_args(list(overrides)):
         _set_dotted(cfg, key, value, source)
