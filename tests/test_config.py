@@ -154,3 +154,18 @@ def test_a_text_key_takes_its_command_line_value_as_written(args, key, expected)
     cfg = load_config(None, args)
     section, name = key.split(".")
     assert getattr(getattr(cfg, section), name) == expected
+
+
+def test_a_key_given_twice_in_a_recipe_is_refused(tmp_path):
+    """PyYAML keeps the last of two equal keys silently: a recipe with a second `algorithm:` section (a snippet from
+    docs/algorithms.md pasted below its own) lost every key of the first."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("algorithm: {kl_coef: 0.05, advantage_estimator: rloo}\nrun:\n  seed: 3\nalgorithm: {loss_agg: seq_sum}\n")
+    with pytest.raises(ConfigError, match=r"r.yaml line 4: not valid YAML \('algorithm' is given twice\)"):
+        load_config(recipe)
+    recipe.write_text("run:\n  seed: 3\n  name: a\n  seed: 4\n")
+    with pytest.raises(ConfigError, match=r"r.yaml line 4: not valid YAML \('seed' is given twice\)"):
+        load_config(recipe)
+    recipe.write_text("run: {<<: {seed: 3, name: a}, name: b}\n")  # a merge key may still be overridden
+    cfg = load_config(recipe)
+    assert (cfg.run.seed, cfg.run.name) == (3, "b")

@@ -202,6 +202,25 @@ def parse_cli_args(args: list[str]) -> list[tuple[str, str, str]]:
     return out
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last silently, so a recipe with a
+    second ``algorithm:`` section (a snippet pasted below its own) lost every key of the first. Keys merged in with
+    ``<<`` may still be overridden."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, typing.Hashable):
+                continue  # SafeLoader refuses it itself
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"'{key}' is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> MilesConfig:
     """The validated config of a run: defaults, then the recipe file, then the overrides in order."""
     cfg = MilesConfig()
@@ -210,7 +229,7 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> 
         if not path.is_file():
             raise ConfigError(f"recipe file '{path}' does not exist")
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            data = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader) or {}
         except UnicodeDecodeError as exc:  # another file given as RECIPE (a model file), or a recipe in another encoding
             raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); a recipe is a YAML file") from None
         except yaml.YAMLError as exc:
