@@ -449,3 +449,15 @@ def test_a_sync_reward_may_run_its_own_event_loop():
     s = [Sample("p", [1], [2], "x", [0.0]), Sample("p", [1], [2], "xy", [0.0], index=1)]
     assert score_samples(sync_client, "client", s, 1.0) == [0.25, 0.5]
     assert score_samples(remote, "remote", s, 1.0) == [0.25, 0.5]  # and an async one is still awaited
+
+
+def test_a_reward_too_large_for_a_float_is_refused_by_name():
+    """An int beyond float's range (a verifier computing 2 ** n) made math.isfinite raise OverflowError: a
+    traceback instead of the reward's error."""
+    import pytest
+
+    from miles_core.rewards.runner import RewardError, score_samples
+    from miles_core.types import Sample
+
+    with pytest.raises(RewardError, match="reward 'big' returned 1000000.* for sample 0; it must return a finite number"):
+        score_samples(lambda s: 10 ** 400, "big", [Sample("p", [1], [2], "x", [0.0])], 1.0)

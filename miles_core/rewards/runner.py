@@ -22,8 +22,14 @@ class RewardError(MilesUserError):
 
 def is_reward_value(value: object) -> bool:
     """A finite real number: int, float, or numpy's scalars (np.float32 and np.int64 are not float and int
-    subclasses, and a verifier computing with numpy returns them). Not a bool (nor numpy's)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    subclasses, and a verifier computing with numpy returns them). Not a bool (nor numpy's), nor an int beyond
+    float's range."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int (or Fraction) too large for a float: not a reward the trainer can hold
+        return False
 
 
 def _check(value: object, name: str, sample: Sample) -> float:
