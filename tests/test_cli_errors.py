@@ -33,6 +33,31 @@ def test_reward_module_that_does_not_exist(cli, tmp_path):
     assert "module 'nosuchmodule' not found" in line
 
 
+def test_a_reward_given_as_a_file_path(cli, tmp_path):
+    """reward.name=path/to/file.py:function loads that file (no module on sys.path needed); a missing file, a missing
+    function and a file that raises on import are each one line naming it."""
+    from miles_core.errors import ConfigError
+    from miles_core.rewards.custom import load_reward_path
+
+    rewards = tmp_path / "my rewards" / "exact.py"
+    rewards.parent.mkdir()
+    rewards.write_text("def score(sample):\n    return float(sample.response == sample.label)\n")
+
+    class Sample:
+        response, label = "ab", "ab"
+
+    assert load_reward_path(f"{rewards}:score")(Sample()) == 1.0
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_reward_path(f"{tmp_path}/nope.py:score")
+    with pytest.raises(ConfigError, match="has no function 'scor'.*did you mean 'score'"):
+        load_reward_path(f"{rewards}:scor")
+    (tmp_path / "broken.py").write_text("raise RuntimeError('no GPU here')\n")
+    with pytest.raises(ConfigError, match="broken.py' raised RuntimeError: no GPU here"):
+        load_reward_path(f"{tmp_path}/broken.py:score")
+    proc = cli("validate", f"reward.name={rewards}:score")
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_bad_jsonl_line_names_file_and_line(cli, tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "a?", "label": "a"}\n{"prompt": oops}\n')

@@ -1,8 +1,9 @@
-"""User reward functions given as ``module:function``, checked at start-up."""
+"""User reward functions given as ``module:function`` or ``file.py:function``, checked at start-up."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import sys
 from pathlib import Path
@@ -27,10 +28,13 @@ def check_reward_fn(fn: object, where: str) -> RewardFn:
 
 
 def load_reward_path(spec: str) -> RewardFn:
-    """``module:function``, or slime's dotted ``module.function`` (the value of its ``--custom-rm-path``)."""
-    module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    """``module:function``, ``path/to/file.py:function``, or slime's dotted ``module.function`` (the value of its
+    ``--custom-rm-path``)."""
+    module_name, _, attr = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
     if not module_name or not attr:
-        raise ConfigError(f"reward.name '{spec}' is not 'module:function'")
+        raise ConfigError(f"reward.name '{spec}' is not 'module:function' or 'file.py:function'")
+    if module_name.endswith(".py"):
+        return _function_of(_load_file(Path(module_name), spec), attr, spec, f"file '{module_name}'")
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))  # like `python -m`, let users point at local modules
     try:
@@ -41,9 +45,30 @@ def load_reward_path(spec: str) -> RewardFn:
         raise ConfigError(f"reward.name '{spec}': importing '{module_name}' failed: {exc}") from None
     except Exception as exc:
         raise ConfigError(f"reward.name '{spec}': importing '{module_name}' raised {type(exc).__name__}: {exc}") from None
+    return _function_of(module, attr, spec, f"module '{module_name}'")
+
+
+def _load_file(path: Path, spec: str):
+    """The module that a reward file defines, imported under a name of its own (``miles_reward_<stem>``), registered in
+    ``sys.modules`` so that its functions pickle by reference (Ray workers, multiprocessing)."""
+    if not path.is_file():
+        raise ConfigError(f"reward.name '{spec}': file '{path}' " + ("is not a file" if path.exists() else "does not exist"))
+    name = f"miles_reward_{path.stem}"
+    loader_spec = importlib.util.spec_from_file_location(name, path.resolve())
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[name] = module
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise ConfigError(f"reward.name '{spec}': importing '{path}' raised {type(exc).__name__}: {exc}") from None
+    return module
+
+
+def _function_of(module, attr: str, spec: str, where: str) -> RewardFn:
     if not hasattr(module, attr):
         names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
         from miles_core.errors import did_you_mean
 
-        raise ConfigError(f"reward.name '{spec}': module '{module_name}' has no function '{attr}'{did_you_mean(attr, names)}")
+        raise ConfigError(f"reward.name '{spec}': {where} has no function '{attr}'{did_you_mean(attr, names)}")
     return check_reward_fn(getattr(module, attr), spec)
