@@ -274,3 +274,16 @@ def test_a_plugin_task_s_changed_data_fingerprint_is_refused_on_resume(tmp_path)
     with pytest.raises(DataError, match="resuming would replay another prompt order"):
         run(tmp_path / "b", "data.task_options={revision: 2}", *resume)
     assert run(tmp_path / "c", "data.task_options={revision: 1, path: elsewhere}", *resume) == [2]  # moved: the same data
+
+
+def test_a_checkpoint_moved_aside_by_a_killed_save_is_put_back(tmp_path):
+    """Saving step_N over an older step_N moves the old folder aside before the new one moves in; a kill between the
+    two renames left no step_N, and --resume refused the folder as incomplete. The old one is put back and resumed."""
+    import os
+
+    save = tmp_path / "save"
+    _run(tmp_path / "a", f"run.save={save}", "run.save_interval=1", "run.num_rollout=1")
+    ckpt = find_checkpoint(save)
+    os.replace(ckpt, ckpt.parent / f".{ckpt.name}.old-12345")  # where replace_dir's first rename leaves it
+    assert find_checkpoint(save) == ckpt and (ckpt / "loop.json").is_file()
+    assert [r["step"] for r in _run(tmp_path / "b", f"run.save={save}", "run.resume=true", "run.num_rollout=2")] == [2]
