@@ -94,6 +94,14 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(fh.fileno())
 
 
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(save_dir: Path, state: LoopState, trainer, backend, family, extra_files: dict[str, str]) -> Path:
     """Called on every rank at the end of an RL step."""
     rank = current()
@@ -116,8 +124,12 @@ def save_checkpoint(save_dir: Path, state: LoopState, trainer, backend, family, 
         _fsync_tree(tmp)
         replace_dir(tmp, final)  # over a step_N of an earlier run in this folder: never a half-removed one
         pointer = save_dir / f".{LATEST}.tmp"
-        pointer.write_text(name)
+        with open(pointer, "w") as fh:
+            fh.write(name)
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(pointer, save_dir / LATEST)
+        _fsync_dir(save_dir)  # the renames (step_N, latest) on disk before the run goes on: a power cut keeps them
     barrier()
     return final
 
