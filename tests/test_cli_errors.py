@@ -54,6 +54,9 @@ def test_a_reward_given_as_a_file_path(cli, tmp_path):
     (tmp_path / "broken.py").write_text("raise RuntimeError('no GPU here')\n")
     with pytest.raises(ConfigError, match="broken.py' raised RuntimeError: no GPU here"):
         load_reward_path(f"{tmp_path}/broken.py:score")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")  # argparse at import does this
+    with pytest.raises(ConfigError, match="exits.py' raised SystemExit: 3"):
+        load_reward_path(f"{tmp_path}/exits.py:score")
     proc = cli("validate", f"reward.name={rewards}:score")
     assert proc.returncode == 0, proc.stderr
 

@@ -43,7 +43,7 @@ def load_reward_path(spec: str) -> RewardFn:
         if exc.name and module_name.startswith(exc.name):
             raise ConfigError(f"reward.name '{spec}': module '{module_name}' not found") from None
         raise ConfigError(f"reward.name '{spec}': importing '{module_name}' failed: {exc}") from None
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # SystemExit: a module that runs argparse or sys.exit at import
         raise ConfigError(f"reward.name '{spec}': importing '{module_name}' raised {type(exc).__name__}: {exc}") from None
     return _function_of(module, attr, spec, f"module '{module_name}'")
 
@@ -59,7 +59,7 @@ def _load_file(path: Path, spec: str):
     sys.modules[name] = module
     try:
         loader_spec.loader.exec_module(module)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         del sys.modules[name]
         raise ConfigError(f"reward.name '{spec}': importing '{path}' raised {type(exc).__name__}: {exc}") from None
     return module
