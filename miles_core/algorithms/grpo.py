@@ -31,15 +31,20 @@ def group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.T
 
 
 def group_normalized(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool) -> torch.Tensor:
-    """Per-sample (r - group mean) [/ group std]."""
-    rewards = rewards.float()
+    """Per-sample (r - group mean) [/ group std].
+
+    The group statistics are taken in float64: a float32 reward times a group size below 2**29 is
+    exact there, so a group whose rewards are all equal (0.7, say) has a mean equal to each reward and
+    gets exactly 0. In float32 the mean is off by rounding, its std is that rounding (~1e-7), and
+    dividing by std + 1e-6 gave the whole group a spurious advantage (0.056 for 7 samples of 0.7)."""
+    rewards = rewards.float().double()
     sums, counts, inverse = group_stats(rewards, group_ids)
     centered = rewards - sums / counts
     if not normalize_std:
-        return centered
+        return centered.float()
     sq = torch.zeros(int(inverse.max()) + 1, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, centered**2)
     var = sq[inverse] / (counts - 1).clamp(min=1)
-    return centered / (var.sqrt() + EPS)
+    return (centered / (var.sqrt() + EPS)).float()
 
 
 def grpo(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> AdvantageOutputs:

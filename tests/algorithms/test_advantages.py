@@ -87,6 +87,20 @@ def test_all_equal_rewards_give_zero_advantages_everywhere():
             assert torch.equal(out.advantages, torch.zeros(3, 2)), fn.__name__
 
 
+def test_all_equal_group_of_inexact_rewards_gives_exactly_zero():
+    # 0.7 is not a binary fraction: in float32 sum(7 * [0.7]) / 7 != 0.7, so the group's "std" was rounding
+    # noise (~7e-8) and (r - mean) / (std + 1e-6) gave every sample of the group +0.056 (0.106 for G=16)
+    rewards = [0.7] * 7 + [1.0, 0.0]
+    groups = [0] * 7 + [1, 1]
+    mask = [[1, 1]] * 9
+    a = per_sample(grpo(inputs(rewards, groups, mask), AlgorithmConfig()).advantages, mask)
+    assert torch.equal(a[:7], torch.zeros(7))
+    assert torch.allclose(a[7:], T([1 / math.sqrt(2), -1 / math.sqrt(2)]), atol=1e-5)
+    # REINFORCE++-baseline divides the group-centred rewards by the batch std: the noise alone gave +-6.0
+    x = inputs([0.7] * 7 + [0.9] * 7, [0] * 7 + [1] * 7, [[1, 1]] * 14)
+    assert torch.equal(reinforce_plus_plus_baseline(x, AlgorithmConfig()).advantages, torch.zeros(14, 2))
+
+
 def test_kl_in_reward_enters_each_token():
     mask = [[1, 1], [1, 0]]
     old = T([[-1.0, -1.0], [-1.0, 0.0]])
