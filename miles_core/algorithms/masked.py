@@ -16,11 +16,17 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over the masked tokens of the whole batch; zero on padding."""
-    mean = masked_mean(x, mask)
-    std = masked_var(x, mask).sqrt()
-    out = (x - mean) if shift_mean else x
-    return out / (std + eps) * mask
+    """(x - mean) / std over the masked tokens of the whole batch; zero on padding.
+
+    Computed in float64: there the sum of up to 2**29 equal float32 values is exact, so a batch whose
+    values are all equal (returns of 0.1 everywhere, say) has std 0 and whitens to exactly 0. In float32
+    the mean is off by rounding and the std is that rounding (~1e-8), which ``eps`` does not dominate:
+    such a batch came out as +-0.4 on every token."""
+    xd, md = x.double(), mask.double()
+    mean = masked_mean(xd, md)
+    std = masked_var(xd, md).sqrt()
+    out = (xd - mean) if shift_mean else xd
+    return (out / (std + eps) * md).to(x.dtype)
 
 
 def seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
