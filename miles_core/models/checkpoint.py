@@ -38,7 +38,7 @@ def atomic_dir(dest: Path, write) -> None:
 def replace_dir(tmp: Path, dest: Path) -> None:
     """Move the finished folder ``tmp`` to ``dest``. An old ``dest`` is moved aside first (a rename) and removed
     only once the new one is in place, or put back if that move fails: ``dest`` is never a half-removed folder."""
-    old = dest.parent / f".{dest.name}.old-{os.getpid()}" if dest.exists() else None
+    old = _aside(dest, os.getpid()) if dest.exists() else None
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
         os.replace(dest, old)
@@ -51,6 +51,20 @@ def replace_dir(tmp: Path, dest: Path) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _aside(dest: Path, pid: int | str) -> Path:
+    """Where :func:`replace_dir` moves an old ``dest`` while the new one moves in."""
+    return dest.parent / f".{dest.name}.old-{pid}"
+
+
+def restore_moved_aside(dest: Path, complete) -> None:
+    """A kill between :func:`replace_dir`'s two renames leaves no ``dest``: put back the old folder it moved aside,
+    the first for which ``complete(folder)`` holds."""
+    for old in sorted(dest.parent.glob(_aside(dest, "*").name)):
+        if complete(old):
+            os.replace(old, dest)
+            return
 
 
 def save_hf_folder(model: nn.Module, family: ModelFamily, dest: Path, extra_files: dict[str, str | bytes] | None = None) -> None:

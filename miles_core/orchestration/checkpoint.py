@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from miles_core.errors import ConfigError, DataError
-from miles_core.models.checkpoint import replace_dir
+from miles_core.models.checkpoint import replace_dir, restore_moved_aside
 from miles_core.train.distributed import barrier, current
 
 LATEST = "latest"
@@ -53,20 +53,11 @@ def find_checkpoint(path: str | Path | None) -> Path | None:
     if not latest.is_file():
         return None
     ckpt = Path(path) / latest.read_text().strip()
-    if not ckpt.exists():
-        _restore_moved_aside(ckpt)
+    if not ckpt.exists():  # a save over it killed between its two renames: the old one goes back
+        restore_moved_aside(ckpt, lambda old: (old / "loop.json").is_file())
     if not (ckpt / "loop.json").is_file():
         raise ConfigError(f"run.load: '{latest}' names '{ckpt.name}', which is not a complete checkpoint")
     return ckpt
-
-
-def _restore_moved_aside(ckpt: Path) -> None:
-    """A save of ``ckpt`` over an older one moves the old folder aside (``.NAME.old-PID``) before the new one moves in
-    (models.checkpoint.replace_dir); a kill between the two renames leaves no ``ckpt``. The complete old one goes back."""
-    for old in sorted(ckpt.parent.glob(f".{ckpt.name}.old-*")):
-        if (old / "loop.json").is_file():
-            os.replace(old, ckpt)
-            return
 
 
 def _rng_state(backend) -> dict:
