@@ -227,3 +227,17 @@ def test_a_sharded_folder_loads_the_shards_its_index_names(tmp_path):
     (ckpt / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ConfigError, match="'model-00002-of-00002.safetensors', which model.safetensors.index.json names, is not there"):
         load_hf_folder(ckpt, regs.model_families)
+
+
+def test_atomic_dir_writes_folders_with_subfolders(tmp_path):
+    """A writer may make subfolders (a trainer's sharded state, a tokenizer folder): the flush walks them."""
+
+    def write(d):
+        (d / "shards").mkdir()
+        (d / "shards" / "0.pt").write_text("s0")
+        (d / "meta.json").write_text("{}")
+
+    atomic_dir(tmp_path / "out", write)
+    assert (tmp_path / "out" / "shards" / "0.pt").read_text() == "s0"
+    assert (tmp_path / "out" / "meta.json").read_text() == "{}"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folder left beside it

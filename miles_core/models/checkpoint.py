@@ -26,13 +26,30 @@ def atomic_dir(dest: Path, write) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
         write(tmp)
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+        fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     replace_dir(tmp, dest)
+    fsync_dir(dest.parent)  # the rename itself on disk
+
+
+def fsync_tree(root: Path) -> None:
+    """Flush every file under ``root`` (subfolders included) and each folder's entries to disk."""
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(Path(dirpath))
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a folder's entries (creations, renames) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def replace_dir(tmp: Path, dest: Path) -> None:

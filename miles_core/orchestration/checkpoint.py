@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from miles_core.errors import ConfigError, DataError
-from miles_core.models.checkpoint import replace_dir, restore_moved_aside
+from miles_core.models.checkpoint import fsync_dir, fsync_tree, replace_dir, restore_moved_aside
 from miles_core.train.distributed import barrier, current
 
 LATEST = "latest"
@@ -78,21 +78,6 @@ def _set_rng_state(state: dict, backend) -> None:
         backend.set_rng_state(state["engine"])
 
 
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            with open(os.path.join(dirpath, f), "rb") as fh:
-                os.fsync(fh.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(save_dir: Path, state: LoopState, trainer, backend, family, extra_files: dict[str, str]) -> Path:
     """Called on every rank at the end of an RL step."""
     rank = current()
@@ -112,7 +97,7 @@ def save_checkpoint(save_dir: Path, state: LoopState, trainer, backend, family, 
         save_hf_folder(trainer.model, family, tmp / "hf", extra_files)
     if rank.is_main:
         (tmp / "loop.json").write_text(json.dumps(asdict(state)))
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         replace_dir(tmp, final)  # over a step_N of an earlier run in this folder: never a half-removed one
         pointer = save_dir / f".{LATEST}.tmp"
         with open(pointer, "w") as fh:
@@ -120,7 +105,7 @@ def save_checkpoint(save_dir: Path, state: LoopState, trainer, backend, family, 
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(pointer, save_dir / LATEST)
-        _fsync_dir(save_dir)  # the renames (step_N, latest) on disk before the run goes on: a power cut keeps them
+        fsync_dir(save_dir)  # the renames (step_N, latest) on disk before the run goes on: a power cut keeps them
     barrier()
     return final
 
