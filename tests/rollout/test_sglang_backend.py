@@ -438,9 +438,11 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def test_a_terminated_run_stops_its_engines(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_terminated_run_stops_its_engines(tmp_path, sig):
     # SIGTERM (kill, a job scheduler's cancel, a timeout) ended `miles run` without its cleanup: the engines it
-    # launched (in their own sessions) ran on, holding their memory and ports
+    # launched (in their own sessions) ran on, holding their memory and ports. SIGKILL (the OOM killer) runs no
+    # cleanup at all: the engines end themselves once their launcher is gone (rollout/sglang/guard.py)
     proc = subprocess.Popen([sys.executable, "-m", "miles_cli.main", "run", "rollout.backend=sglang", f"run.output_dir={tmp_path}",
                              "train.sft_warmup_steps=0", "run.num_rollout=10000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -450,7 +452,7 @@ def test_a_terminated_run_stops_its_engines(tmp_path):
             time.sleep(0.2)
         engines = _children(proc.pid)
         assert engines  # the launched `miles serve`
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         proc.wait(60)
         deadline = time.monotonic() + 20
         while any(Path(f"/proc/{pid}").exists() for pid in engines) and time.monotonic() < deadline:
@@ -517,3 +519,40 @@ def test_launched_servers_get_the_gguf_file_a_model_alias_names(tmp_path, monkey
     ctx = SimpleNamespace(config=cfg, output_dir=str(tmp_path), tokenizer=None, plugins=None, extras={})
     factory.sglang_backend(ctx, SimpleNamespace(config=SimpleNamespace(vocab_size=49152)))
     assert seen["dir"] == str(find_smollm2_gguf())
+
+
+def test_a_guarded_server_and_its_children_end_with_their_launcher(tmp_path):
+    """The launcher (here a small process standing in for `miles run`) is SIGKILLed: the server it started under the
+    guard, in a session of its own, ends, and so does the child process the server started."""
+    from miles_core.rollout.sglang.launch import guarded
+
+    (tmp_path / "fake_server.py").write_text(
+        "import pathlib, subprocess, sys, time\n"
+        "c = subprocess.Popen(['sleep', '300'])\n"
+        "pathlib.Path(sys.argv[1]).write_text(f'{c.pid}')\n"
+        "time.sleep(300)\n")
+    pids = tmp_path / "pids"
+    launcher_code = ("import subprocess, sys, time\n"
+                     "from miles_core.rollout.sglang.launch import guarded\n"
+                     f"p = subprocess.Popen(guarded([sys.executable, '-m', 'fake_server', {str(pids)!r}]), start_new_session=True)\n"
+                     "print(p.pid, flush=True)\n"
+                     "time.sleep(300)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code], stdout=subprocess.PIPE, env=env, text=True)
+    server = int(launcher.stdout.readline())
+    deadline = time.monotonic() + 20
+    while not pids.exists() or not pids.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(pids.read_text())
+    assert _state(server) != "Z" and _state(child) != "Z"
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 5
+    while (_state(server) != "Z" or _state(child) != "Z") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = [pid for pid in (server, child) if _state(pid) != "Z"]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive
+    assert guarded([sys.executable, "-m", "m", "x"])[1:] == ["-m", "miles_core.rollout.sglang.guard", str(os.getpid()), "m", "x"]

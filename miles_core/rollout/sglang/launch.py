@@ -106,10 +106,18 @@ class LaunchedServer:
             pass
 
 
+def guarded(cmd: list[str]) -> list[str]:
+    """``python -m MODULE ARGS`` run under :mod:`miles_core.rollout.sglang.guard`, which ends the server (in the same
+    process) and its process group once this process is gone."""
+    assert cmd[1] == "-m", cmd
+    return [cmd[0], "-m", "miles_core.rollout.sglang.guard", str(os.getpid()), *cmd[2:]]
+
+
 def launch(kind: str, model_path: str, server_args: dict[str, Any], log_dir: Path, name: str, env: dict | None = None) -> LaunchedServer:
-    """Start one server; returns at once (see :func:`wait_healthy`)."""
+    """Start one server; returns at once (see :func:`wait_healthy`). The server runs in a session of its own
+    (:meth:`LaunchedServer.stop` ends its group) and ends when this process dies without stopping it (:func:`guarded`)."""
     port = free_port()
-    cmd = server_command(kind, model_path, port, server_args)
+    cmd = guarded(server_command(kind, model_path, port, server_args))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     fh = open(log_path, "ab")
