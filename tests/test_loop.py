@@ -461,3 +461,31 @@ def test_a_reward_too_large_for_a_float_is_refused_by_name():
 
     with pytest.raises(RewardError, match="reward 'big' returned 1000000.* for sample 0; it must return a finite number"):
         score_samples(lambda s: 10 ** 400, "big", [Sample("p", [1], [2], "x", [0.0])], 1.0)
+
+
+def test_an_async_reward_that_blocks_its_event_loop_is_an_error_not_a_hang():
+    """`time.sleep` inside `async def` never yields, so asyncio's timeout cannot cancel it: scoring hung for as long as
+    the reward blocked (for ever, for a server that never answers) and a slow one past the timeout returned normally."""
+    import threading
+    import time
+
+    import pytest
+
+    from miles_core.rewards.runner import BLOCKED_GRACE_S, RewardError, score_samples
+    from miles_core.types import Sample
+
+    release = threading.Event()
+
+    async def blocking(sample):
+        if sample.index == 1:
+            release.wait(60)  # a synchronous call that does not return
+        return 1.0
+
+    samples = [Sample("p", [1], [2], "x", [0.0], index=i) for i in range(3)]
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RewardError, match=r"reward 'blocking' did not finish within reward.timeout_s=0.2s: sample 1 blocks"):
+            score_samples(blocking, "blocking", samples, 0.2)
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 0.2 + BLOCKED_GRACE_S + 1.0

@@ -1,6 +1,11 @@
 """Score samples with a reward function, sync or async; an async reward runs under a timeout (a sync one
 runs to completion: a blocked call cannot be interrupted from inside the process).
 
+Async rewards are awaited on an event loop in a thread of their own, which the caller waits for with a deadline of
+its own: a coroutine that blocks that loop (``time.sleep`` or a blocking HTTP client inside ``async def``) cannot be
+cancelled, and would otherwise hang the run; past ``reward.timeout_s`` + :data:`BLOCKED_GRACE_S` it is an error naming
+the first unfinished sample (the blocked thread is left to end on its own; it is a daemon).
+
 An exception in reward code stops the run with one line naming the reward and the sample.
 """
 
@@ -10,10 +15,14 @@ import asyncio
 import inspect
 import math
 import numbers
+import threading
 
 from miles_core.errors import MilesUserError
 from miles_core.rewards.base import RewardFn
 from miles_core.types import Sample
+
+
+BLOCKED_GRACE_S = 2.0  # past reward.timeout_s, before a blocked event loop is reported
 
 
 class RewardError(MilesUserError):
@@ -69,8 +78,37 @@ async def _settle(value: object, name: str, sample: Sample, timeout: float) -> o
         raise _raised(name, exc, sample) from None
 
 
-async def _settle_all(values: list, name: str, samples: list[Sample], timeout: float) -> list:
-    return list(await asyncio.gather(*(_settle(v, name, s, timeout) for v, s in zip(values, samples))))
+async def _settle_all(values: list, name: str, samples: list[Sample], timeout: float, done: list[bool]) -> list:
+    async def one(i: int) -> object:
+        out = await _settle(values[i], name, samples[i], timeout)
+        done[i] = True
+        return out
+
+    return list(await asyncio.gather(*(one(i) for i in range(len(values)))))
+
+
+def _await_all(values: list, name: str, samples: list[Sample], timeout: float) -> list:
+    """Await the async rewards on a loop in a daemon thread; past the deadline, an error instead of a hang."""
+    done = [not inspect.isawaitable(v) for v in values]
+    result: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            result["values"] = asyncio.run(_settle_all(values, name, samples, timeout, done))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            result["error"] = exc
+
+    worker = threading.Thread(target=run, name=f"miles-reward-{name}", daemon=True)
+    worker.start()
+    worker.join(timeout + BLOCKED_GRACE_S)
+    if worker.is_alive():
+        first = samples[done.index(False)].index if False in done else "?"
+        raise RewardError(f"reward '{name}' did not finish within reward.timeout_s={timeout}s: sample {first} blocks its "
+                          "event loop, so it cannot be cancelled (a blocking call such as time.sleep or a synchronous HTTP "
+                          "client inside `async def`; await an async one, or wrap it in asyncio.to_thread)")
+    if "error" in result:
+        raise result["error"]  # type: ignore[misc]
+    return result["values"]  # type: ignore[return-value]
 
 
 def score_samples(fn: RewardFn, name: str, samples: list[Sample], timeout: float) -> list[float]:
@@ -86,7 +124,7 @@ def score_samples(fn: RewardFn, name: str, samples: list[Sample], timeout: float
                 v.close()
         raise
     if any(inspect.isawaitable(v) for v in values):
-        values = asyncio.run(_settle_all(values, name, samples, timeout))
+        values = _await_all(values, name, samples, timeout)
     rewards = [_check(v, name, s) for v, s in zip(values, samples)]
     for s, r in zip(samples, rewards):
         s.reward = r
