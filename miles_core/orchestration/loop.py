@@ -194,6 +194,8 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
                 ctx.plugins.after_weight_sync(ctx, version)
         elif ckpt is not None and trainer is None and backend is not None:
             version = serve_checkpoint(c, backend, ckpt)
+        elif trainer is None and backend is not None:  # run.mode=rollout on the engines' own weights (URL servers: theirs)
+            version = backend.weight_version
         for w in range(t.sft_warmup_steps if resume is None and trainer is not None else 0):
             timer = Timer()
             prompts = _tokenize(list(itertools.islice(stream, t.sft_batch_size)), tok)

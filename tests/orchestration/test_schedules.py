@@ -181,6 +181,28 @@ def test_rollout_mode_saves_samples_and_does_not_train(tmp_path):
     assert "loss" not in records[-1]
 
 
+def test_rollout_mode_records_the_version_the_engines_hold(tmp_path):
+    """run.mode=rollout against engines that already hold trained weights (servers given by rollout.sglang.urls report
+    the version they were pushed): the samples carry the engines' version, and the records and summary said 0. Here
+    the built-in engine is set to hold version 4, as such a server reports it."""
+    cfg = tiny_config(tmp_path, "run.mode=rollout", "run.num_rollout=1")
+    c = build(cfg, MilesPlugins(autoload=False), tmp_path / "out")
+    c.trainer_factory = None
+    make = c.backend_factory
+
+    def holding_version_4(ctx, model):
+        backend = make(ctx, model)
+        backend.core.weight_version = 4
+        return backend
+
+    c.backend_factory = holding_version_4
+    records = []
+    summary, _ = run_loop(c, records.append)
+    samples = load_rollouts(tmp_path / "out" / "rollouts", 1)
+    assert {s.weight_version for s in samples} == {4}
+    assert [r["weight_version"] for r in records] == [4, 4] and summary["weight_version"] == 4
+
+
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, cli):
     out = cli("run", f"run.output_dir={tmp_path}", f"--save={tmp_path / 'ckpt'}", "--resume")
     assert out.returncode == 2
