@@ -90,6 +90,28 @@ def test_gradient_accumulation_is_exact(agg):
         assert torch.allclose(g1[k], g2[k], rtol=1e-4, atol=1e-7), k
 
 
+def test_gspo_clip_metrics_do_not_depend_on_the_micro_batch_split():
+    """GSPO clips whole sequences; its clip_frac is the fraction of response tokens in clipped sequences (as
+    ppo_clip's counts tokens), so that the trainer's token-weighted sum over micro-batches is the batch's own."""
+    batch = random_batch(8)
+    batch.old_logprobs = torch.full_like(batch.rollout_logprobs, -5.0) * batch.response_mask  # sequence ratios ~3
+    metrics = []
+    for budget in (1000, 9, 14):
+        trainer = make_trainer(tiny_decoder(), f"train.max_tokens_per_micro_batch={budget}", "algorithm.policy_loss=gspo",
+                               "algorithm.eps_clip=0.05", "algorithm.clip_c=2.0")
+        metrics.append(trainer.train_step(batch, policy_loss(trainer)))
+    mask = batch.response_mask
+    lp = make_trainer(tiny_decoder()).compute_logprobs(batch)
+    s = (((lp - batch.old_logprobs) * mask).sum(-1) / mask.sum(-1)).exp()
+    adv = (batch.advantages * mask).sum(-1) / mask.sum(-1)
+    token_frac = lambda seqs: float((seqs[:, None] * mask).sum() / mask.sum())
+    clip, dual = token_frac((adv > 0) & (s > 1.05)), token_frac((adv < 0) & (s > 2.0))
+    assert 0 < clip < 1 and 0 < dual < 1
+    for m in metrics:
+        assert m["clip_frac"] == pytest.approx(clip, rel=1e-5)
+        assert m["dual_clip_frac"] == pytest.approx(dual, rel=1e-5)
+
+
 def test_activation_checkpointing_same_gradients():
     batch = random_batch(4)
     grads = []

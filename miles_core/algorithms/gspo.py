@@ -8,6 +8,7 @@ The importance ratio is per sequence, the length-normalized likelihood ratio
   sequence's advantage (the mean of its token advantages, which is the GRPO advantage itself).
   The per-token loss is pg_i on every token of sequence i, so ``loss_agg=seq_mean_token_mean``
   gives the paper's (1/G) sum_i pg_i; ``token_mean`` weighs sequences by length (a departure).
+  ``clip_frac`` / ``dual_clip_frac`` are fractions of response tokens (those of clipped sequences).
 * ``gspo_token``: s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)] (same value as s_i, but the gradient of
   token t flows through its own logprob only), with per-token advantages A_it:
   pg_it = max(-A_it s_it, -A_it clip(s_it, ...)). With A_it = A_i it equals ``gspo``'s gradient.
@@ -37,9 +38,10 @@ def gspo(inputs: LossInputs, cfg: AlgorithmConfig) -> LossOutput:
     log_s = _seq_log_ratio(inputs)
     metrics: dict[str, float] = {"approx_kl": float(masked_mean(0.5 * log_s.detach()[:, None] ** 2, mask))}
     adv = seq_mean(inputs.advantages, mask)
-    has_tokens = (mask.sum(-1, keepdim=True) > 0).float()  # [N, 1]: the clip metrics count sequences
-    pg = clipped_pg(log_s.exp()[:, None], adv[:, None], has_tokens, cfg, metrics)
-    pg = pg.expand_as(mask) * mask
+    # on every token of its sequence, so that the clip metrics count tokens as ppo_clip's do: the trainer sums
+    # them over micro-batches weighted by tokens (a fraction of sequences depended on the split)
+    ratio, adv = log_s.exp()[:, None].expand_as(mask), adv[:, None].expand_as(mask)
+    pg = clipped_pg(ratio, adv, mask, cfg, metrics) * mask
     return LossOutput(loss=apply_regularizers(pg, inputs, cfg, metrics), metrics=metrics)
 
 

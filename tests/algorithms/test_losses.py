@@ -87,7 +87,7 @@ def test_gspo_sequence_ratio():
     out = gspo(x, AlgorithmConfig())
     # s_0 = exp(mean(log 1.5, 0)) = sqrt(1.5) = 1.2247 -> clipped to 1.2; s_1 = 0.9 (one token)
     assert torch.allclose(out.loss, T([[-1.2, -1.2], [-0.9, 0.0]]), atol=1e-6)
-    assert out.metrics["clip_frac"] == pytest.approx(0.5)
+    assert out.metrics["clip_frac"] == pytest.approx(2 / 3)  # the tokens of clipped sequences, as ppo_clip counts
 
 
 def test_gspo_token_matches_gspo_gradient_with_sequence_advantages():
