@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -191,6 +192,35 @@ def test_registered_as_megatron_trainer(megatron_cpu, miles_plugins, tmp_path):
     assert not torch.allclose(tr.compute_logprobs(b), before)
     tr.load(tmp_path / "ckpt")
     torch.testing.assert_close(tr.compute_logprobs(b), before, atol=0, rtol=0)
+
+
+def test_lr_schedule_is_followed_and_resumed(megatron_cpu, tmp_path):
+    """train.lr_warmup_steps / lr_decay=cosine set the LR of each step as in the torch trainer (train/lr.py); the
+    schedule's step count is saved with the checkpoint; an explicit lr (SFT warm-up) neither uses nor advances it."""
+    from miles_core.train.lr import lr_at
+    from miles_core.train.megatron.trainer import MegatronTrainer
+
+    torch.set_num_threads(1)
+    cfg = _config("token_mean")
+    cfg.train.lr_warmup_steps, cfg.train.lr_decay, cfg.train.min_lr, cfg.run.num_rollout = 2, "cosine", 1e-3, 5
+    dec = _decoder(True, True)
+    state = {k: v.clone() for k, v in dec.state_dict().items()}
+    mega = MegatronTrainer(arch_from_decoder(dec.config), state, cfg, torch.device("cpu"), FP32, KERNELS)
+    b = batch()
+    b.old_logprobs = mega.compute_logprobs(b)
+    loss_fn = functools.partial(ppo_clip, cfg=cfg.algorithm)
+    want = [lr_at(s, cfg.train, 5) for s in range(4)]
+    assert want == pytest.approx([5e-3, 1e-2, 1e-2, 1e-3 + 9e-3 * 0.5 * (1 + math.cos(math.pi / 3))])
+    for s in range(3):
+        m = mega.train_step(b, loss_fn)
+        assert mega.optimizer.param_groups[0]["lr"] == pytest.approx(want[s]) and m["lr"] == pytest.approx(want[s])
+    assert mega.train_step(b, loss_fn, lr=0.5)["lr"] == 0.5  # an SFT step: its own LR, the schedule stays
+    mega.save(tmp_path / "ck")
+    resumed = MegatronTrainer(arch_from_decoder(dec.config), state, cfg, torch.device("cpu"), FP32, KERNELS)
+    resumed.load(tmp_path / "ck")
+    for tr in (mega, resumed):
+        m = tr.train_step(b, loss_fn)
+        assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(want[3]) and m["lr"] == pytest.approx(want[3])
 
 
 def test_unsupported_parallelism_is_a_config_error():

@@ -10,7 +10,8 @@ one row of ``sum(len_i)`` tokens (THD layout, no padding), with sequence boundar
 Megatron's ``PackedSeqParams`` so that RoPE positions and causal attention restart per sample.
 
 Optimizer: ``torch.optim.AdamW`` over the model's fp32 parameters, on CPU and GPU (megatron-core's
-own optimizer wants its DDP wrapper and CUDA; with one data-parallel rank AdamW is the same update).
+own optimizer wants its DDP wrapper and CUDA; with one data-parallel rank AdamW is the same update),
+at the LR of the torch trainer's schedule (:mod:`miles_core.train.lr`; its step count is checkpointed).
 Weights leave the trainer in HF names (:mod:`miles_core.train.megatron.convert`), gathered over TP.
 Not supported yet: pipeline / context parallelism and data parallelism (world size > TP).
 """
@@ -30,6 +31,7 @@ from miles_core.errors import ConfigError
 from miles_core.kernels.base import Kernels
 from miles_core.precision.base import PrecisionRecipe
 from miles_core.train.base import LossFn, no_response_tokens
+from miles_core.train.lr import lr_at
 from miles_core.train.megatron import convert
 from miles_core.train.megatron.arch import Arch
 from miles_core.train.megatron.build import build_gpt, init_parallel, padded_vocab
@@ -85,6 +87,8 @@ class MegatronTrainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay
         )
+        self.step = 0  # scheduled optimizer steps taken (the LR scheduler's state, saved with the checkpoint)
+        self.total_steps = cfg.run.num_rollout * t.updates_per_rollout
 
     # ------------------------------------------------------------------ weights in HF names
     def _is_te(self) -> bool:
@@ -275,10 +279,14 @@ class MegatronTrainer:
         return norm
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float | None = None, lr: float | None = None) -> dict[str, float]:
+        """One optimizer step. ``lr`` overrides the schedule (and does not advance it), as in the torch trainer."""
         temperature = self._temperature() if temperature is None else temperature
         cfg = self.cfg
+        if lr is None:
+            lr = lr_at(self.step, cfg.train, self.total_steps)
+            self.step += 1
         for group in self.optimizer.param_groups:
-            group["lr"] = lr if lr is not None else cfg.train.lr
+            group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = int(batch.response_mask.sum())
         num_seqs = batch.num_samples
@@ -312,7 +320,7 @@ class MegatronTrainer:
         clip = cfg.train.grad_clip
         grad_norm = self._clip(clip if clip > 0 else float("inf"))
         self.optimizer.step()
-        return {"loss": total_loss, "grad_norm": grad_norm, **sums}
+        return {"loss": total_loss, "grad_norm": grad_norm, "lr": lr, **sums}
 
     # ------------------------------------------------------------------ checkpoints
     def _file(self) -> str:
@@ -320,7 +328,7 @@ class MegatronTrainer:
 
     def _state(self) -> dict:
         model = {k: v for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
-        return {"model": model, "optimizer": self.optimizer.state_dict()}
+        return {"model": model, "optimizer": self.optimizer.state_dict(), "step": self.step}
 
     def save(self, path: Path) -> None:
         path = Path(path)
@@ -339,3 +347,4 @@ class MegatronTrainer:
         state = torch.load(Path(path) / self._file(), map_location=self.device, weights_only=True)
         self.model.load_state_dict(state["model"], strict=False)
         self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state.get("step", 0))  # a checkpoint from before the schedule was followed: from the start
