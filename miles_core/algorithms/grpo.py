@@ -42,7 +42,7 @@ def group_normalized(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_s
     centered = rewards - sums / counts
     if not normalize_std:
         return centered.float()
-    sq = torch.zeros(int(inverse.max()) + 1, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, centered**2)
+    sq = torch.zeros_like(rewards).index_add_(0, inverse, centered**2)  # one slot per sample: never fewer than groups
     var = sq[inverse] / (counts - 1).clamp(min=1)
     return (centered / (var.sqrt() + EPS)).float()
 

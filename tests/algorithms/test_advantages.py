@@ -167,6 +167,13 @@ def test_distill_reverse_kl_advantage_alone_and_added():
     assert torch.allclose(out.advantages, T([[0.5 + 0.25, 0.5 - 0.5], [-0.5, 0.0]]))
 
 
+@pytest.mark.parametrize("normalize_std", [True, False])
+@pytest.mark.parametrize("fn", [grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline])
+def test_an_empty_batch_gives_empty_advantages(fn, normalize_std):
+    x = AdvantageInputs(rewards=torch.zeros(0), group_ids=torch.zeros(0, dtype=torch.long), response_mask=torch.zeros(0, 3))
+    assert fn(x, AlgorithmConfig(normalize_std=normalize_std)).advantages.shape == (0, 3)
+
+
 @pytest.mark.parametrize("fn", [grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline])
 def test_estimators_meet_the_plugin_contract(fn):
     check_advantage_estimator(fn)
