@@ -8,7 +8,8 @@ per-token advantage
 
     A_t = log teacher(y_t) - log pi_old(y_t)          (the negated k1 estimate, no discounting)
 
-* ``advantage_estimator=distill``: A_t alone (no reward needed).
+* ``advantage_estimator=distill``: A_t alone (no reward needed); with ``kl_mode=reward`` and ``kl_coef > 0``
+  minus ``kl_coef * kl_t`` to the reference, the per-token reward penalty (returns.py), also undiscounted.
 * ``distill_coef > 0`` with any other estimator: A_rl + distill_coef * A_t.
 
 Departure from GKD: no mixing with teacher-generated or dataset sequences (purely on-policy),
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from miles_core.algorithms.config import AlgorithmConfig
+from miles_core.algorithms.returns import kl_in_reward
 from miles_core.errors import ConfigError
 from miles_core.types import AdvantageInputs, AdvantageOutputs
 
@@ -32,7 +34,9 @@ def reverse_kl_advantage(inputs: AdvantageInputs) -> torch.Tensor:
 
 
 def distill(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> AdvantageOutputs:
-    return AdvantageOutputs(advantages=reverse_kl_advantage(inputs))
+    adv = reverse_kl_advantage(inputs)
+    kl = kl_in_reward(inputs, cfg)  # else kl_mode=reward built and scored a reference that changed nothing
+    return AdvantageOutputs(advantages=adv if kl is None else adv - cfg.kl_coef * kl)
 
 
 def add_distillation(out: AdvantageOutputs, inputs: AdvantageInputs, cfg: AlgorithmConfig) -> AdvantageOutputs:

@@ -167,6 +167,19 @@ def test_distill_reverse_kl_advantage_alone_and_added():
     assert torch.allclose(out.advantages, T([[0.5 + 0.25, 0.5 - 0.5], [-0.5, 0.0]]))
 
 
+def test_distill_takes_the_kl_penalty_in_reward_mode():
+    """kl_mode=reward puts -kl_coef * kl_t in each token's reward; distillation's per-token advantage is that reward
+    (no discounting), so it carries the penalty; the reference was built and scored, and then ignored."""
+    old, teacher = T([[-1.0, -2.0], [-0.5, 0.0]]), T([[-0.5, -3.0], [-0.5, 0.0]])
+    ref = T([[-1.5, -1.0], [-0.5, 0.0]])
+    x = inputs([0.0, 0.0], [0, 0], [[1, 1], [1, 0]], old_logprobs=old, teacher_logprobs=teacher, ref_logprobs=ref)
+    cfg = AlgorithmConfig(advantage_estimator="distill", kl_coef=0.1, kl_mode="reward", teacher_checkpoint="t")
+    # k1 (auto in reward mode): old - ref = [[0.5, -1.0], [0, -]]
+    assert torch.allclose(distill(x, cfg).advantages, T([[0.5 - 0.05, -1.0 + 0.1], [0.0, 0.0]]))
+    cfg.kl_mode = "loss"  # then it is a loss term (regularizers.py), not in the advantage
+    assert torch.allclose(distill(x, cfg).advantages, T([[0.5, -1.0], [0.0, 0.0]]))
+
+
 @pytest.mark.parametrize("normalize_std", [True, False])
 @pytest.mark.parametrize("fn", [grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline])
 def test_an_empty_batch_gives_empty_advantages(fn, normalize_std):
