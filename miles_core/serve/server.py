@@ -178,11 +178,14 @@ def _make_handler(server: MilesServer):
             if not raw:
                 return {}
             try:
-                return json.loads(raw)
+                body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise _HTTPError(HTTPStatus.BAD_REQUEST, f"malformed JSON: {exc}") from None
             except RecursionError:  # nesting deeper than the parser's recursion limit, within the size bound
                 raise _HTTPError(HTTPStatus.BAD_REQUEST, "malformed JSON: nested too deeply") from None
+            if not isinstance(body, dict):  # every endpoint reads named fields from it
+                raise _HTTPError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
+            return body
 
         def _gone(self) -> bool:
             """True once the client has closed its end (readable with nothing to read); a pipelined next

@@ -533,3 +533,15 @@ def test_a_fault_of_the_server_s_own_answers_500_and_the_server_serves_on(client
     assert status == 500 and body["error"]["message"] == "internal error: RuntimeError: planted fault"
     monkeypatch.undo()
     assert client.post("/generate", {"text": "1+1=", "sampling_params": GREEDY})[0] == 200
+
+
+def test_a_body_that_is_not_a_json_object_is_a_400_on_every_endpoint(client):
+    """The control endpoints read fields with ``body.get``: a JSON array or string there was a 500 (AttributeError)."""
+    paths = ["/generate", "/abort_request", "/pause_generation", "/update_weights_from_disk", "/update_weights_from_tensor",
+             "/init_weights_update_group", "/update_weights_from_distributed", "/release_memory_occupation",
+             "/resume_memory_occupation", "/v1/completions", "/v1/chat/completions"]
+    for path in paths:
+        for raw in (b"[1]", b'"abort_all"', b"3"):
+            status, body = client.post(path, raw=raw)
+            assert (status, body["error"]["message"]) == (400, "the request body must be a JSON object"), (path, raw, body)
+    assert client.request("GET", "/health")[0] == 200
