@@ -13,6 +13,7 @@ computed here). Other top-level fields of SGLang's (``image_data``, ``lora_path`
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,8 @@ def _num(d: dict, key: str, kind, default, lo=None, hi=None, lo_open=False):
         raise BadRequest(f"sampling_params.{key} must be an integer, got {v!r}")
     if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float))):
         raise BadRequest(f"sampling_params.{key} must be a number, got {v!r}")
+    if kind is float and not -sys.float_info.max <= v <= sys.float_info.max:  # NaN, Infinity (Python's JSON reads them), 1e400
+        raise BadRequest(f"sampling_params.{key} must be a finite number, got {v!r}")
     if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
         raise BadRequest(f"sampling_params.{key}={v} is out of range")
     return kind(v)

@@ -545,3 +545,15 @@ def test_a_body_that_is_not_a_json_object_is_a_400_on_every_endpoint(client):
             status, body = client.post(path, raw=raw)
             assert (status, body["error"]["message"]) == (400, "the request body must be a JSON object"), (path, raw, body)
     assert client.request("GET", "/health")[0] == 200
+
+
+def test_sampling_numbers_that_are_not_finite_are_a_400(client):
+    """Python's JSON parser reads NaN and Infinity: a NaN temperature sampled <pad> tokens (id 0) and answered 200."""
+    for field in ("temperature", "top_p", "min_p"):
+        for value in (b"NaN", b"Infinity", b"-Infinity", b"1" + b"0" * 400):  # the last: an integer no float holds
+            raw = b'{"text": "1+1=", "sampling_params": {"max_new_tokens": 3, "' + field.encode() + b'": ' + value + b"}}"
+            status, body = client.post("/generate", raw=raw)
+            assert status == 400 and f"sampling_params.{field} must be a finite number" in body["error"]["message"], (raw, body)
+    status, body = client.post("/v1/completions", raw=b'{"prompt": "1+1=", "max_tokens": 2, "temperature": NaN}')
+    assert status == 400 and "temperature must be a finite number" in body["error"]["message"], body
+    assert client.post("/generate", {"text": "1+1=", "sampling_params": {"max_new_tokens": 3, "temperature": 1e30}})[0] == 200
