@@ -14,7 +14,7 @@ import time
 import uuid
 
 from miles_core.serve.detokenize import StreamText
-from miles_core.serve.protocol import BadRequest, GenerateItem, parse_sampling
+from miles_core.serve.protocol import BadRequest, GenerateItem, flag, parse_sampling
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -54,7 +54,8 @@ def _item(server, body: dict, chat: bool) -> GenerateItem:
             sp[dst] = body[src]
     params, n = parse_sampling(sp)
     top = 0
-    if chat and body.get("logprobs"):
+    want = flag(body.get("logprobs"), "'logprobs'") if chat else body.get("logprobs") is not None
+    if chat and want:
         top = body.get("top_logprobs") or 0
         if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
             raise BadRequest("'top_logprobs' must be an integer in [0, 20]")
@@ -62,7 +63,6 @@ def _item(server, body: dict, chat: bool) -> GenerateItem:
         top = body["logprobs"]
         if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
             raise BadRequest("'logprobs' must be an integer in [0, 20]")
-    want = bool(body.get("logprobs")) or (not chat and body.get("logprobs") == 0)
     params.top_logprobs = top
     return GenerateItem(ids, params, n, None, want, top)
 
@@ -107,7 +107,7 @@ def stream_delta(server, req, text: StreamText, new_ids: list[int], finished: bo
 
 def completions(handler, server, body, chat: bool) -> None:
     item = _item(server, body, chat)
-    stream = bool(body.get("stream", False))
+    stream = flag(body.get("stream"), "'stream'")
     oid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     kind = "chat.completion" if chat else "text_completion"

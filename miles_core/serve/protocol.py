@@ -44,6 +44,16 @@ class GenerateItem:
     no_stop_trim: bool = False  # the text keeps the matched stop string or stop token's text
 
 
+def flag(value: Any, name: str) -> bool:
+    """A boolean field: true, false, or null (false). Anything else is refused, not read by truthiness
+    (``bool("false")`` is True)."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false, got {value!r}")
+    return value
+
+
 def _num(d: dict, key: str, kind, default, lo=None, hi=None, lo_open=False):
     v = d.get(key, default)
     if v is None:
@@ -90,7 +100,7 @@ def parse_sampling(sp: Any, default_max_new: int = 128) -> tuple[SamplingParams,
         min_p=_num(sp, "min_p", float, 0.0, lo=0.0, hi=1.0),
         stop=stop,
         stop_token_ids=list(stop_ids),
-        ignore_eos=bool(sp.get("ignore_eos", False)),
+        ignore_eos=flag(sp.get("ignore_eos"), "sampling_params.ignore_eos"),
         seed=seed,
     )
     return params, _num(sp, "n", int, 1, lo=1, hi=1024)
@@ -126,15 +136,13 @@ def parse_generate(body: Any, encode) -> tuple[list[GenerateItem], bool, bool]:
     k = len(prompts)
     sps = _listify(body.get("sampling_params"), k, "sampling_params")
     rids = _listify(body.get("rid"), k, "rid")
-    lps = _listify(body.get("return_logprob", False), k, "return_logprob")
+    lps = [flag(v, "'return_logprob'") for v in _listify(body.get("return_logprob"), k, "return_logprob")]
     tops = _listify(body.get("top_logprobs_num", 0) or 0, k, "top_logprobs_num")
     starts = _listify(body.get("logprob_start_len"), k, "logprob_start_len")
     if any(s is not None and s != -1 for s in starts):  # -1 / absent: SGLang's "no input token logprobs"
         raise BadRequest("logprob_start_len: the prompt's token logprobs (input_token_logprobs) are not served here; "
                          "give -1 or leave it out (output token logprobs come with return_logprob)")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be true or false")
+    stream = flag(body.get("stream"), "'stream'")
     if stream and k > 1:
         raise BadRequest("streaming is supported for a single prompt")
     items = []
@@ -145,10 +153,8 @@ def parse_generate(body: Any, encode) -> tuple[list[GenerateItem], bool, bool]:
         if not isinstance(tops[i], int) or isinstance(tops[i], bool) or not 0 <= tops[i] <= 100:
             raise BadRequest("'top_logprobs_num' must be an integer in [0, 100]")
         params.top_logprobs = tops[i] if lps[i] else 0
-        keep = (sps[i] or {}).get("no_stop_trim") or False
-        if not isinstance(keep, bool):
-            raise BadRequest("sampling_params.no_stop_trim must be true or false")
-        items.append(GenerateItem(list(prompts[i]), params, n, rids[i], bool(lps[i]), tops[i], keep))
+        keep = flag((sps[i] or {}).get("no_stop_trim"), "sampling_params.no_stop_trim")
+        items.append(GenerateItem(list(prompts[i]), params, n, rids[i], lps[i], tops[i], keep))
     return items, batch or any(it.n > 1 for it in items), stream
 
 

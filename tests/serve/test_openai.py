@@ -139,3 +139,18 @@ def test_max_tokens_absent_zero_and_null(client, server):
     ref = generate(client, chat_prompt(server, messages), max_new_tokens=server.engine.core.max_model_len, temperature=0)
     assert status == 200 and out["choices"][0]["message"]["content"] == ref["text"]
     assert out["usage"]["completion_tokens"] == ref["meta_info"]["completion_tokens"] > 128  # not cut at a default
+
+
+def test_a_flag_that_is_not_a_boolean_is_a_400(client):
+    """``stream: "false"`` streamed server-sent events to a client that asked for one JSON answer; ``logprobs: "no"``
+    on a chat returned logprobs."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path, body, reason in [
+        ("/v1/completions", {"prompt": "a", "max_tokens": 2, "stream": "false"}, "'stream' must be true or false"),
+        ("/v1/chat/completions", {**chat, "stream": 0}, "'stream' must be true or false"),
+        ("/v1/chat/completions", {**chat, "logprobs": "no"}, "'logprobs' must be true or false"),
+    ]:
+        status, out = client.post(path, body)
+        assert status == 400 and reason in out["error"]["message"], (path, body, out)
+    status, out = client.post("/v1/chat/completions", {**chat, "stream": None, "logprobs": None})
+    assert status == 200 and out["object"] == "chat.completion" and out["choices"][0]["logprobs"] is None

@@ -557,3 +557,19 @@ def test_sampling_numbers_that_are_not_finite_are_a_400(client):
     status, body = client.post("/v1/completions", raw=b'{"prompt": "1+1=", "max_tokens": 2, "temperature": NaN}')
     assert status == 400 and "temperature must be a finite number" in body["error"]["message"], body
     assert client.post("/generate", {"text": "1+1=", "sampling_params": {"max_new_tokens": 3, "temperature": 1e30}})[0] == 200
+
+
+def test_a_flag_that_is_not_a_boolean_is_a_400(client):
+    """``bool("false")`` is True: ``ignore_eos: "false"`` ran past the end of sequence, ``return_logprob: "no"`` returned
+    logprobs. A flag must be true, false or null."""
+    for body, reason in [
+        ({"text": "1+1=", "sampling_params": {"ignore_eos": "false"}}, "sampling_params.ignore_eos must be true or false"),
+        ({"text": "1+1=", "sampling_params": {"ignore_eos": 1}}, "sampling_params.ignore_eos must be true or false"),
+        ({"text": "1+1=", "return_logprob": "no"}, "'return_logprob' must be true or false"),
+        ({"input_ids": [[3], [4]], "return_logprob": [True, "yes"]}, "'return_logprob' must be true or false"),
+    ]:
+        status, out = client.post("/generate", body)
+        assert status == 400 and reason in out["error"]["message"], (body, out)
+    ok = {"text": "1+1=", "return_logprob": None, "sampling_params": {"max_new_tokens": 2, "ignore_eos": None}}
+    status, out = client.post("/generate", ok)
+    assert status == 200 and out["meta_info"]["completion_tokens"] <= 2 and "output_token_logprobs" not in out["meta_info"]
