@@ -71,3 +71,18 @@ def test_a_line_that_is_not_utf8_is_named_and_a_byte_order_mark_is_skipped(tmp_p
     bom = tmp_path / "bom.jsonl"
     bom.write_bytes(b"\xef\xbb\xbf" + json.dumps({"q": "héllo"}, ensure_ascii=False).encode() + b"\r\n")
     assert [p.text for p in read_prompts(str(bom), "q", "a")] == ["héllo"]
+
+
+@pytest.mark.parametrize("messages, message", [
+    ("hi", r"d.jsonl:1: 'messages' must be a non-empty list"),
+    ([], r"d.jsonl:1: 'messages' must be a non-empty list"),
+    ([["user", "hi"]], r"d.jsonl:1: 'messages'\[0\] must be an object with string 'role' and 'content'"),
+    ([{"role": "user"}], r"d.jsonl:1: 'messages'\[0\] must be an object with string 'role' and 'content'"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": 3}], r"d.jsonl:1: 'messages'\[1\] must be"),
+])
+def test_malformed_chat_messages_are_named_at_start_up(tmp_path, messages, message):
+    """The loop renders ``messages`` with the model's chat template when it first tokenizes the prompt: a malformed
+    list passed the start-up check, then the template raised (TypeError, jinja2's UndefinedError) with a traceback."""
+    path = _write(tmp_path, [json.dumps({"q": "", "messages": messages, "a": 1})])
+    with pytest.raises(DataError, match=message):
+        read_prompts(path, "q", "a")

@@ -56,6 +56,16 @@ def read_rows(path: str, fingerprint: Fingerprint | None = None) -> Iterator[tup
                 raise DataError(f"{where}: not valid JSON ({exc.msg})") from None
 
 
+def _check_messages(messages: object, where: str) -> None:
+    """``messages`` (a chat the loop renders with the model's chat template) checked here, so that a malformed one is
+    named with its line at start-up rather than raised by the template mid-run."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{\"role\": ..., \"content\": ...}} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: 'messages'[{i}] must be an object with string 'role' and 'content'")
+
+
 def read_prompts(path: str, prompt_key: str, label_key: str, fingerprint: Fingerprint | None = None) -> list[Prompt]:
     prompts = []
     for where, row in read_rows(path, fingerprint):
@@ -66,6 +76,8 @@ def read_prompts(path: str, prompt_key: str, label_key: str, fingerprint: Finger
         if not isinstance(row[prompt_key], str):
             raise DataError(f"{where}: '{prompt_key}' must be a string")
         meta = {k: v for k, v in row.items() if k not in (prompt_key, label_key)}
+        if "messages" in meta:
+            _check_messages(meta["messages"], where)
         if not row[prompt_key] and "messages" not in meta:  # no tokens to generate from (messages: the loop renders them)
             raise DataError(f"{where}: '{prompt_key}' is empty")
         prompts.append(Prompt(text=row[prompt_key], label=row.get(label_key), metadata=meta))
