@@ -86,3 +86,13 @@ def test_malformed_chat_messages_are_named_at_start_up(tmp_path, messages, messa
     path = _write(tmp_path, [json.dumps({"q": "", "messages": messages, "a": 1})])
     with pytest.raises(DataError, match=message):
         read_prompts(path, "q", "a")
+
+
+def test_an_sft_example_with_an_empty_prompt_is_named_at_start_up(tmp_path):
+    """A response is trained from the positions before its tokens: with no prompt token, its first token was predicted
+    from position -1 of the packed row, the last token of another example."""
+    path = _write(tmp_path, [json.dumps({"q": "x?", "r": "cd"}), json.dumps({"q": "", "r": "ab"})])
+    with pytest.raises(DataError, match=r"d.jsonl:2: 'q' is empty"):
+        read_sft_examples(path, "q", "r", CharTokenizer())
+    ok = read_sft_examples(_write(tmp_path, [json.dumps({"q": "x?", "r": "cd"})], "ok.jsonl"), "q", "r", CharTokenizer())
+    assert [(s.prompt_ids, s.response_ids, s.loss_mask) for s in ok] == [([49, 21], [28, 29, 1], [1, 1, 1])]

@@ -53,7 +53,10 @@ def read_sft_examples(path: str, prompt_key: str, response_key: str, tokenizer) 
             raise DataError(f"{where}: expected an object with a string '{prompt_key}' (set data.prompt_key)")
         if response_key not in row:
             raise DataError(f"{where}: missing key '{response_key}' (set data.response_key)")
-        samples.append(sft_sample(row[prompt_key], _segments(row[response_key], where, response_key), tokenizer, len(samples)))
+        sample = sft_sample(row[prompt_key], _segments(row[response_key], where, response_key), tokenizer, len(samples))
+        if not sample.prompt_ids:  # the first response token is predicted from the position before it: there is none
+            raise DataError(f"{where}: '{prompt_key}' is empty (the response needs at least one prompt token before it)")
+        samples.append(sample)
     if not samples:
         raise DataError(f"data file '{path}' has no examples")
     return samples
