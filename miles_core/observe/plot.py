@@ -15,7 +15,9 @@ def plot_curves(records: list[dict[str, Any]], png: Path, title: str = "") -> Pa
     rl = [r for r in records if r.get("phase") == "rl"]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     steps = [r["step"] for r in rl if "reward_mean" in r]
-    ax.plot(steps, [r["reward_mean"] for r in rl if "reward_mean" in r], label="train reward (mean)", color="#2563eb")
+    # markers: a line joins neighbouring points only, so a one-step run (or a step between two NaN ones) had none
+    ax.plot(steps, [r["reward_mean"] for r in rl if "reward_mean" in r], "o-", markersize=3, label="train reward (mean)",
+            color="#2563eb")
     ev = [r for r in rl if r.get("eval_accuracy") is not None]
     ax.plot([r["step"] for r in ev], [r["eval_accuracy"] for r in ev], "o-", label="held-out accuracy (greedy)", color="#16a34a")
     ax.set_xlabel("RL step")
