@@ -241,3 +241,19 @@ def test_atomic_dir_writes_folders_with_subfolders(tmp_path):
     assert (tmp_path / "out" / "shards" / "0.pt").read_text() == "s0"
     assert (tmp_path / "out" / "meta.json").read_text() == "{}"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folder left beside it
+
+
+def test_atomic_file_keeps_the_old_file_when_a_write_fails(tmp_path):
+    from miles_core.models.checkpoint import atomic_file
+
+    dest = tmp_path / "summary.json"
+    atomic_file(dest, lambda tmp: tmp.write_text("v1"))
+
+    def half(tmp):
+        tmp.write_text("v2 half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_file(dest, half)
+    assert dest.read_text() == "v1"
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temporary file left

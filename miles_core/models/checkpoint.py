@@ -34,6 +34,23 @@ def atomic_dir(dest: Path, write) -> None:
     fsync_dir(dest.parent)  # the rename itself on disk
 
 
+def atomic_file(dest: Path, write) -> Path:
+    """Call ``write(tmp_path)`` then rename the flushed file to ``dest``: a reader (or a run killed mid-write) sees the
+    old file or the new one, never half of one."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
+    try:
+        write(tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return dest
+
+
 def fsync_tree(root: Path) -> None:
     """Flush every file under ``root`` (subfolders included) and each folder's entries to disk."""
     for dirpath, _, files in os.walk(root):

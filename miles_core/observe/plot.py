@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from miles_core.models.checkpoint import atomic_file
+
 
 def plot_curves(records: list[dict[str, Any]], png: Path, title: str = "") -> Path:
     import matplotlib
@@ -26,6 +28,7 @@ def plot_curves(records: list[dict[str, Any]], png: Path, title: str = "") -> Pa
     ax.legend(loc="lower right")
     ax.set_title(title or "Miles run")
     fig.tight_layout()
-    fig.savefig(png)
-    plt.close(fig)
-    return Path(png)
+    try:
+        return atomic_file(Path(png), lambda tmp: fig.savefig(tmp, format="png"))  # a viewer never reads half a PNG
+    finally:
+        plt.close(fig)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 from miles_core.errors import DataError
+from miles_core.models.checkpoint import atomic_file
 from miles_core.rewards.runner import is_reward_value
 from miles_core.types import Sample
 
@@ -21,19 +21,15 @@ def step_file(root: str | Path, step: int) -> Path:
 
 
 def save_rollouts(root: str | Path, step: int, samples: list[Sample]) -> Path:
-    dest = step_file(root, step)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_suffix(".jsonl.tmp")
-    with open(tmp, "w") as f:
-        for s in samples:
-            row = dataclasses.asdict(s)
-            if row["routed_experts"] is not None:
-                row["routed_experts"] = s.routed_experts.tolist()
-            f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, dest)
-    return dest
+    def write(tmp: Path) -> None:
+        with open(tmp, "w") as f:
+            for s in samples:
+                row = dataclasses.asdict(s)
+                if row["routed_experts"] is not None:
+                    row["routed_experts"] = s.routed_experts.tolist()
+                f.write(json.dumps(row) + "\n")
+
+    return atomic_file(step_file(root, step), write)
 
 
 def _token_ids(value: object) -> bool:
