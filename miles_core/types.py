@@ -30,7 +30,7 @@ class Sample:
     prompt_ids: list[int]
     response_ids: list[int]
     response: str
-    rollout_logprobs: list[float]  # per response token, from the engine that sampled it
+    rollout_logprobs: list[float]  # per response token, from the engine that sampled it; [] when it gave none
     label: Any = None
     group_id: int = 0  # samples of the same prompt share a group id
     index: int = 0  # position of the sample in its step's batch
@@ -63,7 +63,9 @@ class TrainBatch:
     # [N, T] float, logprobs under the policy that sampled (trainer-side); None: the trainer takes its
     # training forward's own, detached (on-policy, train.old_logprobs=auto)
     old_logprobs: torch.Tensor | None
-    rollout_logprobs: torch.Tensor  # [N, T] float, logprobs reported by the rollout engine
+    # [N, T] float, logprobs reported by the rollout engine; None when a sample has none (saved rollouts without
+    # them, a backend that gives none): zeros there would read as probability 1 to the mismatch weights and metrics
+    rollout_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor | None = None  # [N, T], frozen reference model
     returns: torch.Tensor | None = None  # [N, T], value targets (PPO)
     values: torch.Tensor | None = None  # [N, T], critic values at rollout time (PPO)

@@ -248,6 +248,38 @@ def test_on_policy_old_logprobs_match_a_separate_pass():
     assert m1["mismatch_abs"] > 0.1
 
 
+def test_train_batch_has_rollout_logprobs_only_when_every_sample_has_them():
+    """A sample without the engine's logprobs (saved rollouts with ``"rollout_logprobs": []``, a backend that gives
+    none) got zeros, which the mismatch metrics and TIS/MIS then read as probability 1: the batch has none instead."""
+    from miles_core.train.batch import make_train_batch
+    from miles_core.types import Sample
+
+    full = [Sample("", [1, 2], [3, 4], "", [-0.5, -1.5]), Sample("", [1], [5], "", [-0.25]), Sample("", [1], [], "", [])]
+    batch = make_train_batch(full, pad_id=0)
+    assert torch.equal(batch.rollout_logprobs, torch.tensor([[-0.5, -1.5], [-0.25, 0.0], [0.0, 0.0]]))
+    assert batch.select(torch.tensor([1])).rollout_logprobs.tolist() == [[-0.25, 0.0]]
+    missing = make_train_batch([*full, Sample("", [1], [6, 7], "", [])], pad_id=0)
+    assert missing.rollout_logprobs is None and missing.select(torch.tensor([0, 3])).rollout_logprobs is None
+
+
+@pytest.mark.parametrize("separate", [True, False])
+def test_a_batch_without_rollout_logprobs_trains_without_mismatch_metrics_or_correction(separate):
+    from miles_core.errors import DataError
+
+    batch = random_batch(6)
+    batch.rollout_logprobs = None
+    trainer = make_trainer(tiny_decoder(), "train.max_tokens_per_micro_batch=9")
+    batch.old_logprobs = trainer.compute_logprobs(batch) if separate else None
+    m = trainer.train_step(batch, policy_loss(trainer))
+    assert m["loss"] != 0.0 and not {"mismatch_kl", "mismatch_k1", "mismatch_abs", "mismatch_weight_mean"} & set(m)
+    tis = make_trainer(tiny_decoder(), "algorithm.mismatch_correction=tis")
+    before = {k: v.clone() for k, v in tis.model.state_dict().items()}
+    with pytest.raises(DataError, match="algorithm.mismatch_correction=tis needs the rollout engine's per-token logprobs"):
+        tis.train_step(batch, policy_loss(tis))
+    for k, v in tis.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
 def test_logprobs_are_zero_off_the_loss_mask_and_max_seqlen_is_the_longest_sample():
     batch = random_batch(6)
     lens = (batch.prompt_lens + batch.response_lens).tolist()

@@ -31,7 +31,7 @@ from miles_core.orchestration.seeds import SEED_KEY, prompt_seed
 from miles_core.orchestration.sft_loop import run_sft
 from miles_core.rewards.runner import score_samples
 from miles_core.rollout.base import SamplingParams
-from miles_core.train.batch import make_train_batch
+from miles_core.train.batch import lacks_rollout_logprobs, make_train_batch
 from miles_core.types import AdvantageInputs, Prompt, Sample
 
 
@@ -82,6 +82,19 @@ def evaluate(c: Components, backend, prompts: list[Prompt]) -> dict[str, float]:
     return {"eval_accuracy": sum(correct) / len(correct), "eval_reward": sum(rewards) / len(rewards)}
 
 
+def check_rollout_logprobs(c: Components, samples: list[Sample], step: int) -> None:
+    """A mismatch correction weighs each token by exp(old - rollout logprob): refuse the step, before any training,
+    when some samples have no rollout logprobs (the batch then has none, see make_train_batch)."""
+    cfg = c.ctx.config
+    missing = sum(lacks_rollout_logprobs(s) for s in samples)
+    if missing and cfg.algorithm.mismatch_correction != "none":
+        source = (f"saved rollouts in {cfg.run.load_rollouts} without 'rollout_logprobs'" if cfg.run.load_rollouts
+                  else "the rollout backend returned none")
+        raise DataError(f"algorithm.mismatch_correction={cfg.algorithm.mismatch_correction} needs the rollout engine's "
+                        f"per-token logprobs; {missing} of {len(samples)} samples of step {step} have none ({source}); "
+                        f"set algorithm.mismatch_correction=none to train without it")
+
+
 def rl_step(c: Components, trainer, aux: AuxModels, samples: list[Sample], metrics: dict[str, Any], step: int, timer: Timer) -> dict[str, Any]:
     """Train on one step's scored samples (from the rollout schedule or saved rollouts)."""
     cfg = c.ctx.config
@@ -90,6 +103,7 @@ def rl_step(c: Components, trainer, aux: AuxModels, samples: list[Sample], metri
     rewards = [s.reward for s in samples]
     if not samples:  # dynamic sampling found no informative group: nothing to train on
         return {**metrics, "reward_mean": float("nan"), "skipped": 1.0}
+    check_rollout_logprobs(c, samples, step)
     batch = make_train_batch(samples, tok.pad_token_id)
     reuse = (cfg.train.old_logprobs == "auto" and cfg.train.updates_per_rollout == 1 and not algo.needs_reference
              and aux.teacher is None and aux.critic is None and getattr(trainer, "on_policy_old_logprobs", False))
@@ -122,7 +136,8 @@ def rl_step(c: Components, trainer, aux: AuxModels, samples: list[Sample], metri
     mask = batch.response_mask
     n_tokens = float(mask.sum())
     metrics.update(advantage_metrics(batch.advantages, mask))
-    if batch.old_logprobs is not None:  # else the trainer reported the mismatch (miles_core.train.on_policy)
+    # without old logprobs the trainer reported the mismatch (miles_core.train.on_policy); without rollout ones there is none
+    if batch.old_logprobs is not None and batch.rollout_logprobs is not None:
         metrics.update(mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, mask))
         metrics["mismatch_abs"] = float(((batch.rollout_logprobs - batch.old_logprobs).abs() * mask).sum() / max(n_tokens, 1))
     if batch.teacher_logprobs is not None:

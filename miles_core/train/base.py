@@ -43,7 +43,8 @@ class Trainer(Protocol):
 
         With ``batch.old_logprobs is None`` the loss sees the forward's own logprobs, detached, as the
         old ones (the weights do not change within the step, so they are what a separate pass would
-        give), and the metrics include mismatch_kl, mismatch_k1 and mismatch_abs (engine vs trainer)."""
+        give), and the metrics include mismatch_kl, mismatch_k1 and mismatch_abs (engine vs trainer) when
+        ``batch.rollout_logprobs`` is given."""
 
     def weights(self) -> Mapping[str, torch.Tensor]:
         """The current weights to push to rollout engines (names as in the model)."""

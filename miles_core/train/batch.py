@@ -7,7 +7,15 @@ import torch
 from miles_core.types import Sample, TrainBatch
 
 
+def lacks_rollout_logprobs(sample: Sample) -> bool:
+    """A response without the engine's per-token logprobs (``[]``: saved rollouts without them, a backend that
+    gives none)."""
+    return bool(sample.response_ids) and not sample.rollout_logprobs
+
+
 def make_train_batch(samples: list[Sample], pad_id: int, advantages: torch.Tensor | None = None) -> TrainBatch:
+    """``rollout_logprobs`` is None unless every sample has them: zeros for the missing ones would read as
+    probability 1 to the mismatch correction and metrics."""
     n = len(samples)
     total = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     t_max = max(max(len(s.response_ids) for s in samples), 1)
@@ -29,5 +37,5 @@ def make_train_batch(samples: list[Sample], pad_id: int, advantages: torch.Tenso
         response_mask=mask,
         advantages=advantages if advantages is not None else torch.zeros((n, t_max)),
         old_logprobs=torch.zeros((n, t_max)),
-        rollout_logprobs=rollout_lp,
+        rollout_logprobs=None if any(lacks_rollout_logprobs(s) for s in samples) else rollout_lp,
     )

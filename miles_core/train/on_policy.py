@@ -18,10 +18,13 @@ from miles_core.types import TrainBatch
 def on_policy_old(logprobs: torch.Tensor, mb: TrainBatch, mask: torch.Tensor, num_tokens: int, sums: dict[str, float]) -> torch.Tensor:
     """The micro-batch's old logprobs [n, T]: ``mb.old_logprobs`` when given, else ``logprobs``
     detached, adding that micro-batch's share of mismatch_kl / mismatch_k1 / mismatch_abs to ``sums``
-    (token-weighted, so that the step's sums are means over all its response tokens)."""
+    (token-weighted, so that the step's sums are means over all its response tokens; none without
+    ``mb.rollout_logprobs``)."""
     if mb.old_logprobs is not None:
         return mb.old_logprobs.to(logprobs.device)
     old = logprobs.detach()
+    if mb.rollout_logprobs is None:
+        return old
     with torch.no_grad():
         rollout = mb.rollout_logprobs.to(old.device)
         share = float(mask.sum()) / max(num_tokens, 1)

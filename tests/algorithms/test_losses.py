@@ -134,6 +134,17 @@ def test_mismatch_weight_multiplies_the_policy_loss():
     assert torch.allclose(out.loss, T([[-2.0, -1.0]]))
 
 
+def test_mismatch_correction_without_rollout_logprobs_is_refused():
+    """No engine logprobs (LossInputs.rollout_logprobs None): the correction was skipped without a word."""
+    from miles_core.errors import DataError
+
+    x = loss_inputs([[1.0, 1.0]], [[1.0, 1.0]], [[1, 1]])
+    assert "mismatch_kl" not in ppo_clip(x, AlgorithmConfig()).metrics
+    for loss in (ppo_clip, gspo):
+        with pytest.raises(DataError, match="algorithm.mismatch_correction=mis needs the rollout engine's per-token logprobs"):
+            loss(x, AlgorithmConfig(mismatch_correction="mis"))
+
+
 def test_aggregations_and_micro_batch_exactness():
     loss = T([[1.0, 2.0, 3.0], [4.0, 0.0, 7.0]])
     mask = T([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])

@@ -1,6 +1,7 @@
 """Schedules, deterministic seeds, saved rollouts and --resume, end to end on a tiny CPU config."""
 
 import json
+import re
 import threading
 import time
 
@@ -144,6 +145,57 @@ def test_saved_rollouts_of_another_model_are_refused_with_their_file(tmp_path):
     c = build(tiny_config(tmp_path, "run.num_rollout=1", f"run.load_rollouts={saved}"), MilesPlugins(autoload=False), None)
     with pytest.raises(DataError, match=r"step_1.jsonl line 3: token id 5000 is outside the model's vocabulary \(52 ids\)"):
         run_loop(c, lambda r: None)
+
+
+def _strip_logprobs(saved, rows_without):
+    """Saved rollouts whose rows ``rows_without`` carry no engine logprobs (``"rollout_logprobs": []``, as a row
+    written by another tool, or by a backend that gives none, legally has)."""
+    path = saved / "step_1.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for i in rows_without:
+        assert rows[i]["response_ids"]
+        rows[i]["rollout_logprobs"] = []
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.mark.parametrize("old_logprobs", ["auto", "recompute"])
+def test_saved_rollouts_without_engine_logprobs_report_no_mismatch_metrics(tmp_path, old_logprobs):
+    """Samples without the engine's logprobs were given zeros for them, so mismatch_kl / mismatch_k1 / mismatch_abs
+    compared the trainer's logprobs with 0 (large, meaningless numbers in metrics.jsonl): they are left out instead."""
+    saved = tmp_path / "rollouts"
+    _run(tiny_config(tmp_path, "run.num_rollout=1", f"run.save_rollouts={saved}"))
+    _strip_logprobs(saved, [1, 4])
+    summary, records = _run(tiny_config(tmp_path, "run.num_rollout=1", f"run.load_rollouts={saved}",
+                                        f"train.old_logprobs={old_logprobs}"))
+    assert summary["status"] == "completed" and "loss" in records[0]
+    assert not {"mismatch_kl", "mismatch_k1", "mismatch_abs"} & set(records[0]), records[0]
+
+
+@pytest.mark.parametrize("correction", ["tis", "mis"])
+def test_mismatch_correction_refuses_samples_without_engine_logprobs(tmp_path, correction):
+    """With zeros for the missing engine logprobs, TIS weighted each token by its old-policy probability (not ~1) and
+    MIS dropped the unlikely ones: the step is refused, before the trainer sees the batch."""
+    saved = tmp_path / "rollouts"
+    _run(tiny_config(tmp_path, "run.num_rollout=1", f"run.save_rollouts={saved}"))
+    _strip_logprobs(saved, [1, 4, 6])
+    c = build(tiny_config(tmp_path, "run.num_rollout=1", f"run.load_rollouts={saved}",
+                          f"algorithm.mismatch_correction={correction}"), MilesPlugins(autoload=False), None)
+    calls = []
+    make = c.trainer_factory
+
+    def factory(*args, **kwargs):
+        trainer = make(*args, **kwargs)
+        for name in ("compute_logprobs", "train_step"):
+            inner = getattr(trainer, name)
+            setattr(trainer, name, lambda *a, _inner=inner, _name=name, **kw: calls.append(_name) or _inner(*a, **kw))
+        return trainer
+
+    c.trainer_factory = factory
+    with pytest.raises(DataError, match=rf"algorithm.mismatch_correction={correction} needs the rollout engine's per-token "
+                                        rf"logprobs; 3 of 8 samples of step 1 have none \(saved rollouts in {re.escape(str(saved))} without "
+                                        rf"'rollout_logprobs'\)"):
+        run_loop(c, lambda r: None)
+    assert calls == []
 
 
 @pytest.mark.parametrize("edit, problem", [

@@ -303,7 +303,7 @@ class MegatronTrainer:
                 old_logprobs=on_policy_old(logp, mb, mask, num_tokens, sums),
                 advantages=mb.advantages.to(dev),
                 response_mask=mask,
-                rollout_logprobs=mb.rollout_logprobs.to(dev),
+                rollout_logprobs=None if mb.rollout_logprobs is None else mb.rollout_logprobs.to(dev),
                 ref_logprobs=None if mb.ref_logprobs is None else mb.ref_logprobs.to(dev),
                 entropy=ent,
                 teacher_logprobs=None if mb.teacher_logprobs is None else mb.teacher_logprobs.to(dev),
