@@ -54,6 +54,19 @@ def flag(value: Any, name: str) -> bool:
     return value
 
 
+_MEMORY_TAGS = ("weights", "kv_cache")
+
+
+def memory_tags(value: Any) -> list[str]:
+    """``tags`` of /release_memory_occupation and /resume_memory_occupation: null (all) or a list of tag names.
+    A bare string is refused, not iterated as characters."""
+    if value is None or value == []:
+        return list(_MEMORY_TAGS)
+    if not isinstance(value, list) or not all(isinstance(t, str) and t in _MEMORY_TAGS for t in value):
+        raise BadRequest(f"tags must be a list of {', '.join(_MEMORY_TAGS)}, got {value!r}")
+    return value
+
+
 def _num(d: dict, key: str, kind, default, lo=None, hi=None, lo_open=False):
     v = d.get(key, default)
     if v is None:

@@ -31,7 +31,7 @@ from miles_core.rollout.engine_core.request import Request
 from miles_core.rollout.engine_core.threaded import ThreadedEngine
 from miles_core.serve import openai
 from miles_core.serve.detokenize import StreamText
-from miles_core.serve.protocol import BadRequest, GenerateItem, parse_generate, response
+from miles_core.serve.protocol import BadRequest, GenerateItem, memory_tags, parse_generate, response
 from miles_core.serve.weight_sync import DistributedReceiver
 
 
@@ -363,12 +363,12 @@ def _make_handler(server: MilesServer):
             self._send(200, {"weight_version": str(server.engine.core.weight_version)})
 
         def release(self, body):
-            tags = body.get("tags") or ["weights", "kv_cache"]
+            tags = memory_tags(body.get("tags"))
             server.engine.call(lambda core: core.release_memory(tags))
             self._send(200, {"success": True})
 
         def resume_memory(self, body):
-            tags = body.get("tags") or ["weights", "kv_cache"]
+            tags = memory_tags(body.get("tags"))
             server.engine.call(lambda core: core.resume_memory(tags))
             self._send(200, {"success": True})
 

@@ -573,3 +573,18 @@ def test_a_flag_that_is_not_a_boolean_is_a_400(client):
     ok = {"text": "1+1=", "return_logprob": None, "sampling_params": {"max_new_tokens": 2, "ignore_eos": None}}
     status, out = client.post("/generate", ok)
     assert status == 200 and out["meta_info"]["completion_tokens"] <= 2 and "output_token_logprobs" not in out["meta_info"]
+
+
+def test_memory_tags_that_are_not_a_list_of_strings_are_a_400(client, server):
+    """``"tags": "weights"`` was iterated as characters: release answered "unknown tags ['e', 'g', ...]" and resume
+    answered 200 having resumed nothing. ``tags`` must be a list of the allowed tag names."""
+    for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+        for tags in ("weights", ["weights", 3], {"weights": True}, ["weight"]):
+            status, out = client.post(path, {"tags": tags})
+            message = out["error"]["message"]
+            assert status == 400 and "tags must be a list of" in message and "weights, kv_cache" in message, (path, tags, out)
+    assert not server.engine.core.released  # nothing was released by a refused request
+    assert client.post("/release_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+    assert server.engine.core.released == {"kv_cache"}
+    assert client.post("/resume_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+    assert not server.engine.core.released
