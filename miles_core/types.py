@@ -20,6 +20,7 @@ class Prompt:
     label: Any = None  # whatever the task's verifier needs (the reference answer)
     prompt_ids: list[int] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+    source: str = ""  # where it came from ("path:line" of a JSONL row), for errors found after start-up
 
 
 @dataclass

@@ -194,3 +194,15 @@ def test_a_recipe_that_is_not_yaml_text_is_one_line(cli, tmp_path):
     binary.write_bytes(b"GGUF\x03\x00\x00\x00")
     line = _one_line_error(cli("validate", str(binary)))
     assert line.startswith(f"error: {binary}: not valid YAML (unacceptable character")
+
+
+def test_a_chat_row_that_renders_to_no_tokens_is_named_with_its_line(cli, tmp_path):
+    """The character tokenizer has no chat template: a row's 'messages' are not rendered and its empty prompt text
+    passed start-up, then failed mid-run (an IndexError in the trainer, exit 1; the built-in engine's "the prompt is
+    empty" named no file). The error names the file and line."""
+    train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": "", "messages": [{"role": "user", "content": "2+2="}], "label": "4"}\n')
+    held_out.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    line = _one_line_error(cli("run", "data.task=jsonl", "data.task_options={}", f"data.train_path={train}",
+                               f"data.eval_path={held_out}", "--num-rollout", "1", f"run.output_dir={tmp_path}"))
+    assert line.startswith(f"error: {train}:2: the prompt is empty"), line

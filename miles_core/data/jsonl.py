@@ -80,7 +80,7 @@ def read_prompts(path: str, prompt_key: str, label_key: str, fingerprint: Finger
             _check_messages(meta["messages"], where)
         if not row[prompt_key] and "messages" not in meta:  # no tokens to generate from (messages: the loop renders them)
             raise DataError(f"{where}: '{prompt_key}' is empty")
-        prompts.append(Prompt(text=row[prompt_key], label=row.get(label_key), metadata=meta))
+        prompts.append(Prompt(text=row[prompt_key], label=row.get(label_key), metadata=meta, source=where))
     if not prompts:
         raise DataError(f"data file '{path}' has no prompts")
     return prompts

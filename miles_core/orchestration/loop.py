@@ -53,11 +53,18 @@ class Timer:
 
 
 def _tokenize(prompts: list[Prompt], tokenizer) -> list[Prompt]:
+    """Render and encode each prompt. One that gives no tokens (an empty prompt text beside 'messages' that this
+    tokenizer does not render, or an empty last message) is refused here, named by its source (a JSONL row's file
+    and line): the reader cannot tell at start-up, and past here it fails in the engine or the trainer."""
     for p in prompts:
         if not p.prompt_ids and "messages" in p.metadata and hasattr(tokenizer, "render_chat"):
             p.text = tokenizer.render_chat(p.metadata["messages"])  # the model's own chat template
         if not p.prompt_ids:
             p.prompt_ids = tokenizer.encode(p.text)
+        if not p.prompt_ids:
+            why = ("; 'messages' is not rendered: the tokenizer has no chat template, so the prompt text is used"
+                   if "messages" in p.metadata and not hasattr(tokenizer, "render_chat") else "")
+            raise DataError(f"{p.source or 'a prompt'}: the prompt is empty (it gives no tokens to generate from{why})")
     return prompts
 
 
