@@ -3,6 +3,7 @@
 import json
 from collections import Counter
 
+import pytest
 import torch
 
 from miles_core.config.loader import load_config
@@ -489,3 +490,39 @@ def test_an_async_reward_that_blocks_its_event_loop_is_an_error_not_a_hang():
     finally:
         release.set()
     assert time.monotonic() - t0 < 0.2 + BLOCKED_GRACE_S + 1.0
+
+
+def test_several_updates_per_rollout_log_the_mean_of_their_metrics(tmp_path, monkeypatch):
+    """With train.updates_per_rollout=2 the step's record kept only the last update's loss, grad_norm, clip_frac (and the
+    critic's value_loss ...): half the step was not in its metrics. Each is now the mean over the updates; lr, the
+    schedule's value rather than a measurement, is the last update's."""
+    from miles_core.train.critic import Critic
+
+    critic_parts = []
+    inner = Critic.train_step
+
+    def critic_step(self, batch):
+        out = inner(self, batch)
+        critic_parts.append(out)
+        return out
+
+    monkeypatch.setattr(Critic, "train_step", critic_step)
+    (tmp_path / "dense_reward.py").write_text(  # nonzero advantages, so that the two updates' metrics differ
+        "def digit_share(sample):\n    return sum(ch.isdigit() for ch in sample.response) / max(len(sample.response), 1)\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = tiny_config(tmp_path, "train.updates_per_rollout=2", "run.num_rollout=1", "train.lr=0.01", "rollout.temperature=1.0",
+                      "rollout.max_response_len=6", "reward.name=dense_reward:digit_share", "algorithm.advantage_estimator=ppo")
+    c = build(cfg, MilesPlugins(autoload=False), tmp_path)
+    parts = []
+    spy_on_trainer(c, "train_step", lambda args, out: parts.append(out))
+    records = []
+    run_loop(c, records.append)
+    (rl,) = [r for r in records if r.get("phase") == "rl" and r["step"] > 0]
+    first, second = parts[-2:]  # the RL step's two updates (any SFT warm-up comes first)
+    assert first["loss"] != second["loss"] and first["grad_norm"] != second["grad_norm"]
+    for key in set(first) - {"mismatch_kl", "mismatch_k1"}:  # these the loop measures over the whole batch itself
+        expected = second[key] if key == "lr" else (first[key] + second[key]) / 2
+        assert rl[key] == pytest.approx(expected, rel=1e-12, abs=1e-15), (key, rl[key], first[key], second[key])
+    assert len(critic_parts) == 2 and critic_parts[0]["value_loss"] != critic_parts[1]["value_loss"]
+    for key in critic_parts[0]:
+        assert rl[key] == pytest.approx((critic_parts[0][key] + critic_parts[1][key]) / 2, rel=1e-12, abs=1e-15), key

@@ -102,6 +102,20 @@ def check_rollout_logprobs(c: Components, samples: list[Sample], step: int) -> N
                         f"set algorithm.mismatch_correction=none to train without it")
 
 
+_LAST_OVER_UPDATES = frozenset({"lr"})  # a state the updates leave behind, not a measurement of each
+
+
+def mean_over_updates(updates: list[dict[str, Any]]) -> dict[str, Any]:
+    """One step's metrics from its optimizer updates (``train.updates_per_rollout``): each number's mean, so that every
+    update counts, not only the last; the learning rate (and anything not a number) as the last update left it."""
+    merged: dict[str, Any] = {}
+    for key in dict.fromkeys(k for u in updates for k in u):
+        values = [u[key] for u in updates if key in u]
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        merged[key] = sum(values) / len(values) if numbers and key not in _LAST_OVER_UPDATES else values[-1]
+    return merged
+
+
 def rl_step(c: Components, trainer, aux: AuxModels, samples: list[Sample], metrics: dict[str, Any], step: int, timer: Timer) -> dict[str, Any]:
     """Train on one step's scored samples (from the rollout schedule or saved rollouts)."""
     cfg = c.ctx.config
@@ -136,10 +150,13 @@ def rl_step(c: Components, trainer, aux: AuxModels, samples: list[Sample], metri
         batch.advantages, batch.returns = adv.advantages, adv.returns
     with timer("train"):
         order = torch.randperm(batch.num_samples)
+        updates = []
         for part in order.chunk(cfg.train.updates_per_rollout):
-            metrics.update(trainer.train_step(batch.select(part), c.policy_loss))
+            update = trainer.train_step(batch.select(part), c.policy_loss)
             if aux.critic is not None:
-                metrics.update(aux.critic.train_step(batch.select(part)))
+                update = {**update, **aux.critic.train_step(batch.select(part))}
+            updates.append(update)
+        metrics.update(mean_over_updates(updates))
     mask = batch.response_mask
     n_tokens = float(mask.sum())
     metrics.update(advantage_metrics(batch.advantages, mask))
