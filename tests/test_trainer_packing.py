@@ -319,3 +319,17 @@ def test_empty_responses_train_on_nothing():
     (m1, g1), (m3, g3) = results
     assert m1["grad_norm"] > 0.1 and m1["loss"] == pytest.approx(m3["loss"], abs=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g1, g3))
+
+
+def test_seq_sum_divides_by_the_generation_budget_not_the_longest_response():
+    """Dr.GRPO's seq_sum divides every sequence's token sum by one constant, the generation budget: with the batch's
+    longest response as the divisor a step's loss (and gradient) scale followed that one sample's length."""
+    batch = random_batch(6)
+    width, tokens, seqs = batch.response_mask.shape[1], int(batch.response_mask.sum()), batch.num_samples
+    assert width < 20
+    losses = {}
+    for agg in ("token_mean", "seq_sum"):
+        trainer = make_trainer(tiny_decoder(), f"algorithm.loss_agg={agg}", "rollout.max_response_len=20")
+        losses[agg] = trainer.train_step(batch, policy_loss(trainer))["loss"]
+    # the same per-token losses (same weights, same batch): sum = token_mean * tokens
+    assert losses["seq_sum"] == pytest.approx(losses["token_mean"] * tokens / (seqs * 20), rel=1e-5)

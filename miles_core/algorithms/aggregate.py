@@ -6,7 +6,9 @@ of the global batch.
 
 * ``token_mean``: sum(l * m) / num_tokens  (DAPO; every token weighs the same)
 * ``seq_mean_token_mean``: sum_i [sum_t l_it m_it / len_i] / num_seqs  (the original GRPO)
-* ``seq_sum``: sum(l * m) / (num_seqs * C)  (Dr.GRPO; C = loss_agg_constant or max response len)
+* ``seq_sum``: sum(l * m) / (num_seqs * C)  (Dr.GRPO; C = loss_agg_constant, else ``max_len``, which the trainers
+  pass as the generation budget rollout.max_response_len, or the batch's width where a loaded response is longer:
+  a constant, as Dr.GRPO's MAX_TOKENS, so a step's loss scale does not follow its longest response)
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ from __future__ import annotations
 import torch
 
 from miles_core.algorithms.config import AlgorithmConfig
+
+
+def agg_length(cfg, batch) -> int:
+    """``seq_sum``'s default per-sequence divisor: the generation budget (``cfg.rollout.max_response_len``), or the
+    batch's response width where it is wider (saved rollouts made with a larger budget)."""
+    return max(cfg.rollout.max_response_len, batch.response_mask.shape[1])
 
 
 def aggregate_loss(

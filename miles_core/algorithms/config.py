@@ -37,7 +37,7 @@ class AlgorithmConfig:
     eps_clip_high: float | None = None  # upper clip range (DAPO clip-higher); None = eps_clip
     clip_c: float | None = None  # dual-clip bound for negative advantages (> 1); None = off
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_sum
-    loss_agg_constant: float | None = None  # seq_sum divisor per sequence (Dr.GRPO); None = max response len
+    loss_agg_constant: float | None = None  # seq_sum divisor per sequence (Dr.GRPO); None = rollout.max_response_len
     entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * entropy
     # ---- KL to the frozen reference policy (the policy at the start of RL)
     kl_coef: float = 0.0  # (--kl-coef) 0 = no reference model at all

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from miles_core.algorithms.aggregate import aggregate_loss
+from miles_core.algorithms.aggregate import agg_length, aggregate_loss
 from miles_core.config.schema import MilesConfig
 from miles_core.errors import ConfigError
 from miles_core.kernels.base import Kernels
@@ -160,7 +160,7 @@ class TorchTrainer:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = int(batch.response_mask.sum())
-        num_seqs, max_len = batch.num_samples, batch.response_mask.shape[1]
+        num_seqs, max_len = batch.num_samples, agg_length(cfg, batch)
         sums: dict[str, float] = defaultdict(float)
         for group in self._my_micro_batches(batch):
             logp, ent = self._forward(self.policy, batch, group, temperature)

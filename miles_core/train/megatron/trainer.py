@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from miles_core.algorithms.aggregate import aggregate_loss
+from miles_core.algorithms.aggregate import agg_length, aggregate_loss
 from miles_core.config.schema import MilesConfig
 from miles_core.errors import ConfigError
 from miles_core.kernels.base import Kernels
@@ -290,7 +290,7 @@ class MegatronTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = int(batch.response_mask.sum())
         num_seqs = batch.num_samples
-        max_len = batch.response_mask.shape[1]
+        max_len = agg_length(cfg, batch)
         sums: dict[str, float] = defaultdict(float)
         total_loss = 0.0
         dev = self.device
