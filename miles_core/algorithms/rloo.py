@@ -20,10 +20,10 @@ from miles_core.types import AdvantageInputs, AdvantageOutputs
 
 
 def rloo(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> AdvantageOutputs:
-    r = sequence_rewards(inputs, cfg)
+    r = sequence_rewards(inputs, cfg).float().double()  # exact group sums, as GRPO's: all-equal rewards give exactly 0
     sums, counts, _ = group_stats(r, inputs.group_ids)
     baseline = (sums - r) / (counts - 1).clamp(min=1)
-    adv = (r - baseline) * (counts > 1)
+    adv = ((r - baseline) * (counts > 1)).float()
     return AdvantageOutputs(advantages=adv[:, None] * inputs.response_mask)
 
 

@@ -99,6 +99,9 @@ def test_all_equal_group_of_inexact_rewards_gives_exactly_zero():
     # REINFORCE++-baseline divides the group-centred rewards by the batch std: the noise alone gave +-6.0
     x = inputs([0.7] * 7 + [0.9] * 7, [0] * 7 + [1] * 7, [[1, 1]] * 14)
     assert torch.equal(reinforce_plus_plus_baseline(x, AlgorithmConfig()).advantages, torch.zeros(14, 2))
+    # RLOO's leave-one-out baseline in float32 was (sum - r) / (G - 1) with a rounded sum: -7.5e-9, not 0
+    x = inputs([0.1] * 3 + [0.7] * 2, [0, 0, 0, 1, 1], [[1, 1]] * 5)
+    assert torch.equal(rloo(x, AlgorithmConfig()).advantages, torch.zeros(5, 2))
 
 
 def test_batch_whitening_of_equal_inexact_returns_gives_exactly_zero():
