@@ -288,3 +288,37 @@ def test_a_micro_batch_of_empty_responses_adds_nothing(megatron_cpu):
     assert m_t["grad_norm"] > 0.1
     for key in ("loss", "grad_norm"):
         assert m_m[key] == pytest.approx(m_t[key], abs=1e-5, rel=1e-5), key
+
+
+def test_kl_reference_is_saved_and_resumed(megatron_cpu, tmp_path):
+    """With algorithm.kl_coef > 0 the frozen reference goes into the checkpoint, as in the torch trainer: a
+    trainer built for a resume (the loop then calls no reset_reference) scores the reference of the saved run,
+    and a checkpoint saved without a reference is refused by a run that needs one."""
+    from miles_core.errors import ConfigError
+    from miles_core.train.megatron.trainer import MegatronTrainer
+
+    torch.set_num_threads(1)
+    cfg = _config("token_mean")
+    cfg.algorithm.kl_coef = 0.5
+    dec = _decoder(True, True)
+    state = {k: v.clone() for k, v in dec.state_dict().items()}
+    mega = MegatronTrainer(arch_from_decoder(dec.config), state, cfg, torch.device("cpu"), FP32, KERNELS)
+    mega.reset_reference()
+    b = batch()
+    b.old_logprobs = mega.compute_logprobs(b)
+    b.ref_logprobs = ref = mega.compute_ref_logprobs(b)
+    mega.train_step(b, functools.partial(ppo_clip, cfg=cfg.algorithm))
+    policy = mega.compute_logprobs(b)
+    assert (policy - ref).abs().max() > 1e-3  # the policy left its reference
+    mega.save(tmp_path / "ck")
+
+    resumed = MegatronTrainer(arch_from_decoder(dec.config), state, cfg, torch.device("cpu"), FP32, KERNELS)
+    resumed.load(tmp_path / "ck")
+    torch.testing.assert_close(resumed.compute_ref_logprobs(b), ref, atol=0, rtol=0)
+    torch.testing.assert_close(resumed.compute_logprobs(b), policy, atol=0, rtol=0)
+
+    no_kl = _config("token_mean")
+    plain = MegatronTrainer(arch_from_decoder(dec.config), state, no_kl, torch.device("cpu"), FP32, KERNELS)
+    plain.save(tmp_path / "plain")
+    with pytest.raises(ConfigError, match="algorithm.kl_coef"):
+        resumed.load(tmp_path / "plain")

@@ -89,6 +89,7 @@ class MegatronTrainer:
         )
         self.step = 0  # scheduled optimizer steps taken (the LR scheduler's state, saved with the checkpoint)
         self.total_steps = cfg.run.num_rollout * t.updates_per_rollout
+        self.reset_reference()  # as the torch trainer's: the initial weights until the loop snapshots RL's start
 
     # ------------------------------------------------------------------ weights in HF names
     def _is_te(self) -> bool:
@@ -234,7 +235,7 @@ class MegatronTrainer:
     @torch.no_grad()
     def compute_ref_logprobs(self, batch: TrainBatch, temperature: float | None = None) -> torch.Tensor:
         """Logprobs under the reference snapshot: swap it into the model, score, swap back."""
-        if getattr(self, "_ref", None) is None:
+        if self._ref is None:
             raise ConfigError("reference logprobs need a reference model: set algorithm.kl_coef > 0")
         params = list(self.model.parameters())
         current = [p.detach().clone() for p in params]
@@ -327,8 +328,9 @@ class MegatronTrainer:
         return "trainer.pt" if self.tp == 1 else f"trainer-tp{self.tp_rank}.pt"
 
     def _state(self) -> dict:
+        """Model, optimizer, scheduler step and the KL reference (a resumed run calls no reset_reference)."""
         model = {k: v for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
-        return {"model": model, "optimizer": self.optimizer.state_dict(), "step": self.step}
+        return {"model": model, "optimizer": self.optimizer.state_dict(), "step": self.step, "ref": self._ref}
 
     def save(self, path: Path) -> None:
         path = Path(path)
@@ -345,6 +347,16 @@ class MegatronTrainer:
 
     def load(self, path: Path) -> None:
         state = torch.load(Path(path) / self._file(), map_location=self.device, weights_only=True)
+        saved_ref = state.get("ref")
+        if (saved_ref is None) != (self._ref is None):
+            raise ConfigError(
+                f"'{path}' was saved {'without' if saved_ref is None else 'with'} a reference model; "
+                f"resume with the same algorithm.kl_coef (> 0 keeps a reference model)"
+            )
         self.model.load_state_dict(state["model"], strict=False)
+        if saved_ref is not None:
+            with torch.no_grad():
+                for r, s in zip(self._ref, saved_ref, strict=True):
+                    r.copy_(s)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state.get("step", 0))  # a checkpoint from before the schedule was followed: from the start
