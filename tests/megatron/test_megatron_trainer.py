@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from megatron_helpers import VOCAB, batch, hf_model, hf_response_logprobs
 
 from miles_core.algorithms.aggregate import aggregate_loss
@@ -21,6 +23,7 @@ from miles_core.train.megatron.arch import arch_from_decoder, arch_from_hf
 from miles_core.train.megatron.logprobs import vocab_parallel_logprobs
 from miles_core.train.torch_trainer import TorchTrainer
 from miles_core.types import LossInputs
+from torch.overrides import TorchFunctionMode
 
 KERNELS = {"logprobs": logprobs_torch}
 FP32 = PrecisionRecipe("fp32")
@@ -322,3 +325,44 @@ def test_kl_reference_is_saved_and_resumed(megatron_cpu, tmp_path):
     plain.save(tmp_path / "plain")
     with pytest.raises(ConfigError, match="algorithm.kl_coef"):
         resumed.load(tmp_path / "plain")
+
+
+class _RoundedMatmuls(TorchFunctionMode):
+    """A plugin's kernel swap: linears and matmuls on bf16-rounded inputs (as a bf16 GEMM with fp32 accumulation)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
+            args = tuple(a.to(torch.bfloat16).float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+        return func(*args, **(kwargs or {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class _RoundingRecipe(PrecisionRecipe):
+    def kernel_mode(self, device: torch.device):
+        return _RoundedMatmuls()
+
+
+def test_precision_kernel_mode_wraps_the_forward_as_in_torch_trainer(megatron_cpu):
+    """A precision recipe's kernel_mode (how a plugin's recipe such as bf16_batch_invariant swaps kernels) is
+    entered around the Megatron forward as around the torch trainer's: same logprobs, loss and entropy. (Not the
+    gradients: megatron-core's linears are autograd Functions with their own backward, which the mode does not
+    round; the torch trainer's backward goes through the rounding.)"""
+    from miles_core.train.megatron.trainer import MegatronTrainer
+
+    torch.set_num_threads(1)
+    cfg = _config("token_mean")
+    recipe = _RoundingRecipe("rounded")
+    dec = _decoder(True, True)
+    state = {k: v.clone() for k, v in dec.state_dict().items()}
+    torch_tr = TorchTrainer(dec, cfg, torch.device("cpu"), recipe, KERNELS)
+    mega = MegatronTrainer(arch_from_decoder(dec.config), state, cfg, torch.device("cpu"), recipe, KERNELS)
+    fp32 = MegatronTrainer(arch_from_decoder(dec.config), state, cfg, torch.device("cpu"), FP32, KERNELS)
+    b = batch()
+    lp_t = torch_tr.compute_logprobs(b)
+    assert (lp_t - fp32.compute_logprobs(b)).abs().max() > 1e-3  # the mode changes the numbers
+    torch.testing.assert_close(mega.compute_logprobs(b), lp_t, atol=1e-6, rtol=0)
+    b.old_logprobs = off_policy(lp_t, b)
+    loss_fn = functools.partial(ppo_clip, cfg=cfg.algorithm)
+    m_t, m_m = torch_tr.train_step(b, loss_fn), mega.train_step(b, loss_fn)
+    for key in ("loss", "entropy", "clip_frac"):
+        assert m_m[key] == pytest.approx(m_t[key], abs=1e-6, rel=1e-6), key

@@ -162,7 +162,13 @@ class MegatronTrainer:
         return hidden[:, 0], ids, offsets
 
     def response_logprobs(self, mb: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprobs, entropy), each [n, T], for the response tokens of a micro-batch (zeros off the mask)."""
+        """(logprobs, entropy), each [n, T], for the response tokens of a micro-batch (zeros off the mask).
+        The forward (model and logprob op) runs inside the precision recipe's kernel_mode, as in the torch
+        trainer: a plugin's recipe (e.g. a batch-invariant mode) swaps its kernels there."""
+        with self.precision.kernel_mode(self.device):
+            return self._response_logprobs(mb, temperature)
+
+    def _response_logprobs(self, mb: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.device
         hidden, ids, offsets = self._hidden(mb)
         n, t_max = mb.response_mask.shape
