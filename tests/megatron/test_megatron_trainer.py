@@ -366,3 +366,30 @@ def test_precision_kernel_mode_wraps_the_forward_as_in_torch_trainer(megatron_cp
     m_t, m_m = torch_tr.train_step(b, loss_fn), mega.train_step(b, loss_fn)
     for key in ("loss", "entropy", "clip_frac"):
         assert m_m[key] == pytest.approx(m_t[key], abs=1e-6, rel=1e-6), key
+
+
+def test_logprob_chunk_size_reaches_the_logprobs_op(megatron_cpu):
+    """train.logprob_chunk_size (rows of [tokens, vocab] logits made at once: the trainer's peak memory) is passed
+    to the kernel registry's logprobs op by the Megatron trainer as by the torch trainer."""
+    from miles_core.train.megatron.trainer import MegatronTrainer
+
+    torch.set_num_threads(1)
+    cfg = _config("token_mean")
+    cfg.train.logprob_chunk_size = 3
+    seen: dict[str, list[int]] = {"torch": [], "megatron": []}
+
+    def recording(name):
+        def op(hidden, weight, targets, *, temperature=1.0, chunk_size=1024):
+            seen[name].append(chunk_size)
+            return logprobs_torch(hidden, weight, targets, temperature=temperature, chunk_size=chunk_size)
+
+        return {"logprobs": op}
+
+    dec = _decoder(True, True)
+    state = {k: v.clone() for k, v in dec.state_dict().items()}
+    torch_tr = TorchTrainer(dec, cfg, torch.device("cpu"), FP32, recording("torch"))
+    mega = MegatronTrainer(arch_from_decoder(dec.config), state, cfg, torch.device("cpu"), FP32, recording("megatron"))
+    b = batch()
+    torch.testing.assert_close(mega.compute_logprobs(b), torch_tr.compute_logprobs(b), atol=1e-5, rtol=0)
+    assert seen["torch"] and set(seen["torch"]) == {3}
+    assert seen["megatron"] and set(seen["megatron"]) == {3}

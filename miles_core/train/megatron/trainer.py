@@ -189,7 +189,8 @@ class MegatronTrainer:
             # the head's GEMM in the recipe's compute dtype, as in the torch trainer (the op casts the fp32
             # master head to it); fp32 hidden states made the LM head an fp32 GEMM under bf16
             cd = self.precision.compute_dtype or weight.dtype
-            lp, ent = self.logprobs_op(h.to(cd), weight[: self.arch.vocab_size], targets, temperature=temperature)
+            lp, ent = self.logprobs_op(h.to(cd), weight[: self.arch.vocab_size], targets, temperature=temperature,
+                                       chunk_size=self.cfg.train.logprob_chunk_size)
         else:
             from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
@@ -198,6 +199,7 @@ class MegatronTrainer:
             lp, ent = vocab_parallel_logprobs(
                 h.to(weight.dtype), weight, targets, vocab_start=self.tp_rank * weight.shape[0],
                 vocab_size=self.arch.vocab_size, group=self.tp_group, temperature=temperature,
+                chunk_size=self.cfg.train.logprob_chunk_size,
             )
         idx = (torch.tensor(rows, dtype=torch.long, device=dev), torch.tensor(cols, dtype=torch.long, device=dev))
         mask = mb.response_mask.to(dev)
