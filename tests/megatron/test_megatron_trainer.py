@@ -393,3 +393,33 @@ def test_logprob_chunk_size_reaches_the_logprobs_op(megatron_cpu):
     torch.testing.assert_close(mega.compute_logprobs(b), torch_tr.compute_logprobs(b), atol=1e-5, rtol=0)
     assert seen["torch"] and set(seen["torch"]) == {3}
     assert seen["megatron"] and set(seen["megatron"]) == {3}
+
+
+def test_moe_aux_loss_does_not_depend_on_the_micro_batch_split(megatron_cpu):
+    """train.megatron.moe_aux_loss_coeff: megatron-core adds each micro-batch's load-balancing loss to the gradient
+    at its backward scale; the trainer weighs it by the micro-batch's share of the packed tokens, so that (as the
+    policy loss, aggregated over the global batch) the gradient is that of the whole batch at once. Three copies of
+    one sample route alike in every micro-batch, so one micro-batch of three and three of one give one aux loss."""
+    from miles_core.algorithms.losses import sft
+    from miles_core.train.batch import make_train_batch
+    from miles_core.train.megatron.trainer import MegatronTrainer
+    from miles_core.types import Sample
+
+    torch.set_num_threads(1)
+    model = hf_model("qwen3_moe")
+    arch = arch_from_hf(model.config.to_dict())
+    sample = Sample("", [3, 14, 15, 9, 26], [5, 35, 8, 9, 7, 9], "", [0.0] * 6)
+    b = make_train_batch([sample] * 3, pad_id=0)
+    grads = {}
+    for coeff, mbs in ((0.0, 3), (0.5, 3), (0.5, 1)):
+        cfg = _config("token_mean")
+        cfg.rollout.temperature = 1.0
+        cfg.train.micro_batch_size = mbs
+        cfg.train.megatron.moe_aux_loss_coeff = coeff
+        mega = MegatronTrainer(arch, model.state_dict(), cfg, torch.device("cpu"), FP32, KERNELS)
+        mega.train_step(b, functools.partial(sft, cfg=cfg.algorithm))
+        grads[coeff, mbs] = _megatron_grads(mega)
+    router = "model.layers.0.mlp.gate.weight"
+    assert (grads[0.5, 3][router] - grads[0.0, 3][router]).abs().max() > 1e-3  # the aux loss is active
+    for k, g in grads[0.5, 3].items():
+        torch.testing.assert_close(grads[0.5, 1][k], g, atol=1e-6, rtol=1e-4, msg=lambda m: f"grad {k}: {m}")

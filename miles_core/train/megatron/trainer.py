@@ -287,6 +287,16 @@ class MegatronTrainer:
                 p.grad.mul_(coef)
         return norm
 
+    def _set_aux_loss_scale(self, share: float) -> None:
+        """megatron-core adds a micro-batch's MoE load-balancing loss (``train.megatron.moe_aux_loss_coeff``) to its
+        backward at a process-wide scale, 1 unless set (Megatron's own schedule sets 1 / micro-batches). The
+        micro-batch's share of the step's packed tokens keeps the aux gradient independent of the split, as the
+        policy loss's is (one scale per backward: set before each)."""
+        if self.arch.is_moe:
+            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(share, dtype=torch.float32, device=self.device))
+
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float | None = None, lr: float | None = None) -> dict[str, float]:
         """One optimizer step. ``lr`` overrides the schedule (and does not advance it), as in the torch trainer."""
         temperature = self._temperature() if temperature is None else temperature
@@ -303,6 +313,7 @@ class MegatronTrainer:
         sums: dict[str, float] = defaultdict(float)
         total_loss = 0.0
         dev = self.device
+        packed_tokens = max(int((batch.prompt_lens + batch.response_lens).sum()), 1)
         for sl in self.micro_batches(batch):
             mb = batch.select(sl)
             logp, ent = self.response_logprobs(mb, temperature)
@@ -319,6 +330,7 @@ class MegatronTrainer:
             )
             out = loss_fn(inputs)
             loss = aggregate_loss(out.loss, mask, cfg.algorithm, num_tokens, num_seqs, max_len)
+            self._set_aux_loss_scale(int((mb.prompt_lens + mb.response_lens).sum()) / packed_tokens)
             loss.backward()
             total_loss += float(loss.detach())
             share = float(mask.sum()) / max(num_tokens, 1)
