@@ -50,6 +50,8 @@ def save_trainer(path: Path, trainer: TorchTrainer) -> None:
 def load_trainer(path: Path, trainer: TorchTrainer) -> None:
     meta_file = path / TRAINER_META
     if not meta_file.is_file():
+        if any(path.glob("trainer*.pt")):  # the Megatron trainer's files (train/megatron/trainer.py)
+            raise ConfigError(f"'{path}' was saved by train.backend=megatron; resume it with train.backend=megatron")
         raise ConfigError(f"'{path}' is not a trainer checkpoint (no {TRAINER_META}); point run.load at a --save folder")
     meta = json.loads(meta_file.read_text())
     if meta["has_ref"] != (trainer.ref is not None):

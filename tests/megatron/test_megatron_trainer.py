@@ -423,3 +423,23 @@ def test_moe_aux_loss_does_not_depend_on_the_micro_batch_split(megatron_cpu):
     assert (grads[0.5, 3][router] - grads[0.0, 3][router]).abs().max() > 1e-3  # the aux loss is active
     for k, g in grads[0.5, 3].items():
         torch.testing.assert_close(grads[0.5, 1][k], g, atol=1e-6, rtol=1e-4, msg=lambda m: f"grad {k}: {m}")
+
+
+def test_a_checkpoint_of_the_other_backend_is_a_config_error(megatron_cpu, tmp_path):
+    """Resuming with another train.backend than the run that saved: each trainer names the backend that wrote the
+    checkpoint (a ConfigError, one line), not a FileNotFoundError traceback or 'point run.load at a --save folder'."""
+    from miles_core.errors import ConfigError
+    from miles_core.train.megatron.trainer import MegatronTrainer
+
+    torch.set_num_threads(1)
+    cfg = _config("token_mean")
+    dec = _decoder(True, True)
+    state = {k: v.clone() for k, v in dec.state_dict().items()}
+    torch_tr = TorchTrainer(dec, cfg, torch.device("cpu"), FP32, KERNELS)
+    mega = MegatronTrainer(arch_from_decoder(dec.config), state, cfg, torch.device("cpu"), FP32, KERNELS)
+    torch_tr.save(tmp_path / "torch")
+    mega.save(tmp_path / "megatron")
+    with pytest.raises(ConfigError, match="train.backend=torch"):
+        mega.load(tmp_path / "torch")
+    with pytest.raises(ConfigError, match="train.backend=megatron"):
+        torch_tr.load(tmp_path / "megatron")

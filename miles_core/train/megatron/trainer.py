@@ -352,6 +352,20 @@ class MegatronTrainer:
         model = {k: v for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
         return {"model": model, "optimizer": self.optimizer.state_dict(), "step": self.step, "ref": self._ref}
 
+    def _not_mine(self, path: Path) -> str:
+        """Why ``path`` holds no checkpoint file of this rank: another backend's or another TP size's, or none."""
+        from miles_core.train.checkpoint import TRAINER_META
+
+        if (path / TRAINER_META).is_file():
+            return f"'{path}' was saved by train.backend=torch; resume it with train.backend=torch"
+        shards = len(list(path.glob("trainer-tp*.pt"))) or int((path / "trainer.pt").is_file())
+        if shards == self.tp:
+            return f"'{path}' lacks {self._file()} of its {shards} tensor-parallel shards: an incomplete checkpoint"
+        if shards:
+            return (f"'{path}' was saved with train.megatron.tensor_parallel={shards}; resume it with that setting "
+                    f"(this run has {self.tp})")
+        return f"'{path}' is not a trainer checkpoint (no {self._file()}); point run.load at a --save folder"
+
     def save(self, path: Path) -> None:
         path = Path(path)
         if self.tp == 1:
@@ -366,7 +380,10 @@ class MegatronTrainer:
         dist.barrier(group=self.tp_group)
 
     def load(self, path: Path) -> None:
-        state = torch.load(Path(path) / self._file(), map_location=self.device, weights_only=True)
+        file = Path(path) / self._file()
+        if not file.is_file():
+            raise ConfigError(self._not_mine(Path(path)))
+        state = torch.load(file, map_location=self.device, weights_only=True)
         saved_ref = state.get("ref")
         if (saved_ref is None) != (self._ref is None):
             raise ConfigError(
