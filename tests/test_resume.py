@@ -287,3 +287,18 @@ def test_a_checkpoint_moved_aside_by_a_killed_save_is_put_back(tmp_path):
     os.replace(ckpt, ckpt.parent / f".{ckpt.name}.old-12345")  # where replace_dir's first rename leaves it
     assert find_checkpoint(save) == ckpt and (ckpt / "loop.json").is_file()
     assert [r["step"] for r in _run(tmp_path / "b", f"run.save={save}", "run.resume=true", "run.num_rollout=2")] == [2]
+
+
+def test_a_resumed_ppo_run_continues_its_critic(tmp_path):
+    """advantage_estimator=ppo trains a value model beside the policy: a resume continues it (weights and optimizer),
+    so that values, advantages and the policy's updates match the uninterrupted run's."""
+    reward = tmp_path / "length_reward.py"  # rewards that vary (the tiny model earns no task reward): values to learn
+    reward.write_text("def score(sample):\n    return len(sample.response) / 4.0\n")
+    ppo = ["algorithm.advantage_estimator=ppo", "algorithm.kl_coef=0.0", f"reward.name={reward}:score"]
+    full = _run(tmp_path / "a", *ppo)
+    save = tmp_path / "save"
+    first = _run(tmp_path / "b", *ppo, f"run.save={save}", "run.save_interval=2", kill_at=3)
+    second = _run(tmp_path / "c", *ppo, f"run.save={save}", "run.save_interval=2", f"run.load={save}")
+    assert [r["step"] for r in first + second] == [0, 1, 2, 3, 4]
+    assert first + second == full
+    assert full[-1]["value_loss"] > 0 and full[-1]["adv_std"] > 0

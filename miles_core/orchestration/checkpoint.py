@@ -4,6 +4,7 @@
     <save>/step_000010/      one checkpoint, renamed into place only when complete
         trainer/             sharded trainer state (torch.distributed.checkpoint, every rank)
         rng_rank<r>.pt       this rank's RNG states: torch, CUDA, python, the rollout engine's
+        critic.pt            the PPO critic (advantage_estimator=ppo): value model, head, optimizer
         loop.json            step, weight version, prompts consumed (the data position), the data's fingerprint
         hf/                  the policy as an HF safetensors folder (+ tokenizer): the model to build
     <save>/hf/               the final model (orchestration/run.py)
@@ -78,8 +79,12 @@ def _set_rng_state(state: dict, backend) -> None:
         backend.set_rng_state(state["engine"])
 
 
-def save_checkpoint(save_dir: Path, state: LoopState, trainer, backend, family, extra_files: dict[str, str]) -> Path:
-    """Called on every rank at the end of an RL step."""
+CRITIC = "critic.pt"
+
+
+def save_checkpoint(save_dir: Path, state: LoopState, trainer, backend, family, extra_files: dict[str, str],
+                    critic=None) -> Path:
+    """Called on every rank at the end of an RL step. ``critic``: the PPO value model, trained beside the policy."""
     rank = current()
     name = f"step_{state.step:06d}"
     tmp, final = save_dir / f".tmp-{name}", save_dir / name
@@ -96,6 +101,8 @@ def save_checkpoint(save_dir: Path, state: LoopState, trainer, backend, family, 
 
         save_hf_folder(trainer.model, family, tmp / "hf", extra_files)
     if rank.is_main:
+        if critic is not None:
+            torch.save(critic.state_dict(), tmp / CRITIC)
         (tmp / "loop.json").write_text(json.dumps(asdict(state)))
         fsync_tree(tmp)
         replace_dir(tmp, final)  # over a step_N of an earlier run in this folder: never a half-removed one
@@ -110,10 +117,18 @@ def save_checkpoint(save_dir: Path, state: LoopState, trainer, backend, family, 
     return final
 
 
-def load_checkpoint(ckpt: Path, trainer, backend) -> LoopState:
-    """Restore the trainer, this rank's RNG states, and return the loop's position."""
+def load_checkpoint(ckpt: Path, trainer, backend, critic=None) -> LoopState:
+    """Restore the trainer, the PPO ``critic`` (if the run has one), this rank's RNG states, and return the loop's
+    position. A checkpoint without a critic (saved by another algorithm, or before Miles saved it) leaves the critic
+    as built, from the checkpoint's policy, with a warning: its values start over."""
     rank = current()
     trainer.load(ckpt / "trainer")
+    if critic is not None:
+        if (ckpt / CRITIC).is_file():
+            critic.load_state_dict(torch.load(ckpt / CRITIC, weights_only=True))
+        else:
+            log.warning("run.load: checkpoint '%s' has no %s: the PPO critic starts over from the checkpoint's policy "
+                        "(values 0)", ckpt, CRITIC)
     rng_file = ckpt / f"rng_rank{rank.rank}.pt"
     if not rng_file.is_file():
         raise ConfigError(f"run.load: '{ckpt}' has no {rng_file.name}; resume with the world size it was saved with")

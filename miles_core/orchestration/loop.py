@@ -223,8 +223,12 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             summary = run_sft(c, backend, trainer, eval_prompts, refs, evaluate, on_metrics)
             return summary, trainer
         t = cfg.train
+        aux = AuxModels()
         if resume is not None:  # continue a --save folder: skip warm-up, replay the prompt stream
-            state = load_checkpoint(resume, trainer, backend)
+            # built before the RNG states are restored, as the saved run built it before its step 1 (the critic's
+            # head draws an initialisation); its weights and optimizer then come from the checkpoint
+            aux = build_aux_models(c, trainer)
+            state = load_checkpoint(resume, trainer, backend, aux.critic)
             consumed, start, version, first_eval = state.prompts_consumed, state.step + 1, state.version, state.eval_accuracy_first
             for _ in range(consumed):
                 next(stream)
@@ -259,7 +263,8 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             ctx.plugins.after_weight_sync(ctx, version)
         if resume is None and trainer is not None:
             trainer.reset_reference()  # the KL reference is the policy as RL starts (after warm-up)
-        aux = build_aux_models(c, trainer) if trainer is not None else AuxModels()
+        if resume is None and trainer is not None:
+            aux = build_aux_models(c, trainer)
 
         def next_prompts(n: int, step: int) -> list[Prompt]:
             nonlocal consumed
@@ -317,7 +322,7 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             on_metrics(record)
             if trainer is not None and cfg.run.save and ((cfg.run.save_interval and step % cfg.run.save_interval == 0) or step == cfg.run.num_rollout):
                 state = LoopState(step, version, consumed, first_eval, getattr(c.task, "data_fingerprint", None))
-                save_checkpoint(Path(cfg.run.save), state, trainer, backend, c.family, tokenizer_files(tok))
+                save_checkpoint(Path(cfg.run.save), state, trainer, backend, c.family, tokenizer_files(tok), aux.critic)
         evals = [h for h in history if "eval_accuracy" in h]
         summary = {
             "status": "completed",

@@ -52,6 +52,15 @@ class Critic:
         h = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
         return self.head(h).squeeze(-1) * mb.response_mask.to(dev)
 
+    def state_dict(self) -> dict:
+        """Value model, head and optimizer: what a checkpoint keeps so that a resumed run continues the critic."""
+        return {"body": self.body.state_dict(), "head": self.head.state_dict(), "optim": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.body.load_state_dict(state["body"])
+        self.head.load_state_dict(state["head"])
+        self.optimizer.load_state_dict(state["optim"])
+
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         mbs = self.cfg.train.micro_batch_size
