@@ -302,3 +302,25 @@ def test_a_resumed_ppo_run_continues_its_critic(tmp_path):
     assert [r["step"] for r in first + second] == [0, 1, 2, 3, 4]
     assert first + second == full
     assert full[-1]["value_loss"] > 0 and full[-1]["adv_std"] > 0
+
+
+def test_a_resume_trains_with_the_optimizer_settings_it_is_given(tmp_path):
+    """Loading the optimizer's state also loaded the weight decay and betas it was saved with: a resume given other
+    ones silently went on with the checkpoint's (while a changed train.lr took effect). The config's are used."""
+    import torch
+
+    from miles_core.train.critic import Critic
+
+    save = tmp_path / "save"
+    _run(tmp_path / "a", f"run.save={save}", "run.save_interval=1", "run.num_rollout=1", "train.sft_warmup_steps=0")
+    cfg = tiny_config(tmp_path / "b", *ARGS, f"run.save={save}", "run.resume=true", "run.num_rollout=2",
+                      "train.weight_decay=0.25", "train.adam_beta1=0.5", "train.adam_beta2=0.75")
+    c = build(cfg, MilesPlugins(), tmp_path / "b")
+    _, trainer = run_loop(c, lambda record: None)
+    (group,) = trainer.optimizer.param_groups
+    assert (group["weight_decay"], group["betas"]) == (0.25, (0.5, 0.75))
+    old = Critic(c.model, tiny_config(tmp_path, "algorithm.critic_lr=0.5"), torch.device("cpu"))  # the PPO critic's too
+    new = Critic(c.model, cfg, torch.device("cpu"))
+    new.load_state_dict(old.state_dict())
+    (group,) = new.optimizer.param_groups
+    assert (group["lr"], group["weight_decay"], group["betas"]) == (cfg.train.lr, 0.25, (0.5, 0.75))

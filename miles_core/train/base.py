@@ -21,6 +21,14 @@ def no_response_tokens(hidden: torch.Tensor, head_weight: torch.Tensor) -> tuple
     return empty, empty
 
 
+def use_configured_hyperparameters(optimizer: torch.optim.Optimizer, lr: float, train_cfg) -> None:
+    """After an AdamW's state is loaded from a checkpoint: the lr, betas and weight decay of the run's config, not
+    the ones the checkpoint was saved with, which loading the state put back (a resume given another
+    train.weight_decay silently went on with the old one). A trainer's lr is set again at every step anyway."""
+    for group in optimizer.param_groups:
+        group.update(lr=lr, betas=(train_cfg.adam_beta1, train_cfg.adam_beta2), weight_decay=train_cfg.weight_decay)
+
+
 class Trainer(Protocol):
     model: torch.nn.Module
 

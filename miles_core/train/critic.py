@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from miles_core.config.schema import MilesConfig
+from miles_core.train.base import use_configured_hyperparameters
 from miles_core.types import TrainBatch
 
 
@@ -60,6 +61,7 @@ class Critic:
         self.body.load_state_dict(state["body"])
         self.head.load_state_dict(state["head"])
         self.optimizer.load_state_dict(state["optim"])
+        use_configured_hyperparameters(self.optimizer, self.cfg.algorithm.critic_lr or self.cfg.train.lr, self.cfg.train)
 
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:

@@ -27,7 +27,7 @@ from miles_core.errors import ConfigError
 from miles_core.kernels.base import Kernels
 from miles_core.precision.base import PrecisionRecipe
 from miles_core.train import checkpoint as ckpt
-from miles_core.train.base import LossFn, no_response_tokens
+from miles_core.train.base import LossFn, no_response_tokens, use_configured_hyperparameters
 from miles_core.train.distributed import all_reduce_sum, init_from_env
 from miles_core.train.fsdp import checkpoint_blocks, full_tensor, shard
 from miles_core.train.lr import lr_at
@@ -215,6 +215,7 @@ class TorchTrainer:
 
     def load(self, path: Path) -> None:
         ckpt.load_trainer(Path(path), self)
+        use_configured_hyperparameters(self.optimizer, self.cfg.train.lr, self.cfg.train)
 
     def export_hf(self, family, dest: Path, extra_files: dict[str, str] | None = None) -> None:
         """Write the policy as an HF safetensors folder (rank 0 writes; every rank gathers)."""

@@ -224,6 +224,10 @@ def test_lr_schedule_is_followed_and_resumed(megatron_cpu, tmp_path):
     for tr in (mega, resumed):
         m = tr.train_step(b, loss_fn)
         assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(want[3]) and m["lr"] == pytest.approx(want[3])
+    cfg.train.weight_decay, cfg.train.adam_beta1 = 0.25, 0.5  # a resume given other optimizer settings uses them
+    changed = MegatronTrainer(arch_from_decoder(dec.config), state, cfg, torch.device("cpu"), FP32, KERNELS)
+    changed.load(tmp_path / "ck")
+    assert {(g["weight_decay"], g["betas"][0]) for g in changed.optimizer.param_groups} == {(0.25, 0.5)}
 
 
 def test_unsupported_parallelism_is_a_config_error():

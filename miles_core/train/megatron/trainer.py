@@ -30,7 +30,7 @@ from miles_core.config.schema import MilesConfig
 from miles_core.errors import ConfigError
 from miles_core.kernels.base import Kernels
 from miles_core.precision.base import PrecisionRecipe
-from miles_core.train.base import LossFn, no_response_tokens
+from miles_core.train.base import LossFn, no_response_tokens, use_configured_hyperparameters
 from miles_core.train.lr import lr_at
 from miles_core.train.megatron import convert
 from miles_core.train.megatron.arch import Arch
@@ -396,4 +396,5 @@ class MegatronTrainer:
                 for r, s in zip(self._ref, saved_ref, strict=True):
                     r.copy_(s)
         self.optimizer.load_state_dict(state["optimizer"])
+        use_configured_hyperparameters(self.optimizer, self.cfg.train.lr, self.cfg.train)
         self.step = int(state.get("step", 0))  # a checkpoint from before the schedule was followed: from the start
