@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from miles_core.errors import ConfigError
 from miles_core.orchestration.build import build
 from miles_core.orchestration.checkpoint import find_checkpoint
 from miles_core.orchestration.loop import run_loop
@@ -324,3 +325,34 @@ def test_a_resume_trains_with_the_optimizer_settings_it_is_given(tmp_path):
     new.load_state_dict(old.state_dict())
     (group,) = new.optimizer.param_groups
     assert (group["lr"], group["weight_decay"], group["betas"]) == (cfg.train.lr, 0.25, (0.5, 0.75))
+
+
+def test_a_killed_sft_run_resumes_from_its_checkpoint(tmp_path):
+    """run.mode=sft wrote no checkpoint (run.save got only the final model, run.save_interval was ignored), so a killed
+    SFT run could not be resumed: --resume said the folder holds none. It saves as RL does, and resumes exactly."""
+    sft = ["run.mode=sft", "train.sft_batch_size=4", "train.sft_lr=0.01"]
+
+    def run(where, *extra, kill_at=None):
+        cfg = tiny_config(tmp_path / where, "run.num_rollout=4", "run.eval_every=2", *sft, *extra)
+        records = []
+
+        def on_metrics(record):
+            if record["step"] == kill_at:
+                raise Killed
+            records.append({k: v for k, v in record.items() if not k.startswith("time_")})
+
+        try:
+            summary, _ = run_loop(build(cfg, MilesPlugins(), tmp_path / where), on_metrics)
+        except Killed:
+            summary = None
+        return records, summary
+
+    full, full_summary = run("a")
+    save = tmp_path / "save"
+    first, _ = run("b", f"run.save={save}", "run.save_interval=2", kill_at=3)
+    assert find_checkpoint(save).name == "step_000002"
+    second, summary = run("c", f"run.save={save}", "run.resume=true")
+    assert [r["step"] for r in second] == [3, 4] and first + second == full
+    assert summary["eval_accuracy_last"] == full_summary["eval_accuracy_last"]
+    with pytest.raises(ConfigError, match="was saved by a run.mode=sft run and cannot be resumed by run.mode=rl"):
+        build(tiny_config(tmp_path / "d", f"run.save={save}", "run.resume=true"), MilesPlugins(), None)

@@ -44,6 +44,20 @@ class LoopState:
     prompts_consumed: int  # training prompts taken from the stream so far
     eval_accuracy_first: float | None = None
     data_fingerprint: dict | None = None  # the task's (None: a task without one, or a checkpoint saved before Miles recorded it)
+    mode: str = "rl"  # the run.mode that saved it: rl, or sft (whose step and position are examples, not prompts)
+
+
+def save_due(run_cfg, step: int) -> bool:
+    """A checkpoint after ``step``: every ``run.save_interval`` steps, and after the last."""
+    return bool(run_cfg.save) and ((run_cfg.save_interval and step % run_cfg.save_interval == 0) or step == run_cfg.num_rollout)
+
+
+def check_mode(ckpt: Path, state: LoopState, mode: str) -> None:
+    """A checkpoint's step and stream position are its run.mode's own: an SFT checkpoint resumed by an RL run (or
+    the reverse) would skip that many steps of the other. Refused, pointing at its weights to start from."""
+    if state.mode != mode:
+        raise ConfigError(f"run.load: checkpoint '{ckpt}' was saved by a run.mode={state.mode} run and cannot be resumed "
+                          f"by run.mode={mode}; start from its weights instead with run.load={ckpt / 'hf'} (no --resume)")
 
 
 def find_checkpoint(path: str | Path | None) -> Path | None:

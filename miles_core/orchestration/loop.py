@@ -23,7 +23,7 @@ from miles_core.algorithms.stats import advantage_metrics
 from miles_core.errors import DataError
 from miles_core.orchestration.aux_models import AuxModels, build_aux_models
 from miles_core.orchestration.build import Components, tokenizer_files
-from miles_core.orchestration.checkpoint import LoopState, find_checkpoint, load_checkpoint, read_loop_state, save_checkpoint
+from miles_core.orchestration.checkpoint import LoopState, find_checkpoint, load_checkpoint, read_loop_state, save_checkpoint, save_due
 from miles_core.orchestration.placement import make_placement
 from miles_core.orchestration.rollout_io import save_rollouts
 from miles_core.orchestration.schedules import make_source
@@ -220,7 +220,7 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
         ctx.plugins.run_start(ctx)  # in the try: a plugin failing here still gets run_end, and the engines are closed
         if cfg.run.mode == "sft":
             refs = _reference_samples(eval_prompts, c.task, tok)
-            summary = run_sft(c, backend, trainer, eval_prompts, refs, evaluate, on_metrics)
+            summary = run_sft(c, backend, trainer, eval_prompts, refs, evaluate, on_metrics, resume)
             return summary, trainer
         t = cfg.train
         aux = AuxModels()
@@ -320,7 +320,7 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             record["time_step"] = time.perf_counter() - t0
             history.append(record)
             on_metrics(record)
-            if trainer is not None and cfg.run.save and ((cfg.run.save_interval and step % cfg.run.save_interval == 0) or step == cfg.run.num_rollout):
+            if trainer is not None and save_due(cfg.run, step):
                 state = LoopState(step, version, consumed, first_eval, getattr(c.task, "data_fingerprint", None))
                 save_checkpoint(Path(cfg.run.save), state, trainer, backend, c.family, tokenizer_files(tok), aux.critic)
         evals = [h for h in history if "eval_accuracy" in h]

@@ -7,6 +7,10 @@ reshuffled with the run seed) at ``train.sft_lr`` (or ``train.lr``). Every ``run
 steps, and before the first and after the last, the weights go to the engine and the held-out
 prompts are decoded greedily (``eval_accuracy``); ``eval_nll`` is the mean per-token NLL of the
 held-out reference answers (absent where the held-out prompts have none).
+
+With ``run.save``, a checkpoint every ``run.save_interval`` steps and after the last (as RL's, with
+``mode: sft``); ``--resume`` continues from it: weights, optimizer, RNG states, step and the position
+in the example stream. A checkpoint of an RL run gives an SFT run only its weights (it starts at step 1).
 """
 
 from __future__ import annotations
@@ -17,8 +21,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from pathlib import Path
+
 from miles_core.algorithms.masked import masked_mean
 from miles_core.data.sft import read_sft_examples
+from miles_core.orchestration.build import tokenizer_files
+from miles_core.orchestration.checkpoint import LoopState, load_checkpoint, read_loop_state, save_checkpoint, save_due
 from miles_core.train.batch import make_train_batch
 from miles_core.types import Sample
 
@@ -42,11 +50,16 @@ def eval_nll(c, trainer, eval_refs: list[Sample]) -> float:
     return float(-masked_mean(trainer.compute_logprobs(batch, temperature=1.0), batch.response_mask))
 
 
-def run_sft(c, backend, trainer, eval_prompts, eval_refs, evaluate, on_metrics) -> dict[str, Any]:
+def run_sft(c, backend, trainer, eval_prompts, eval_refs, evaluate, on_metrics, resume: Path | None = None) -> dict[str, Any]:
     cfg, t = c.ctx.config, c.ctx.config.train
     stream = _examples(c, random.Random(cfg.run.seed))
-    version = 0
+    version, start, consumed, first_eval = 0, 1, 0, None
     history = []
+    if resume is not None and read_loop_state(resume).mode == "sft":  # continue: skip the examples already trained on
+        state = load_checkpoint(resume, trainer, backend)
+        version, start, consumed, first_eval = state.version, state.step + 1, state.prompts_consumed, state.eval_accuracy_first
+        for _ in range(consumed):
+            next(stream)
 
     def do_eval(step: int, record: dict[str, Any]) -> None:
         nonlocal version
@@ -57,13 +70,17 @@ def run_sft(c, backend, trainer, eval_prompts, eval_refs, evaluate, on_metrics) 
         if eval_refs:  # held-out prompts without reference answers (JSONL rows without a label) have no NLL
             record["eval_nll"] = eval_nll(c, trainer, eval_refs)
 
-    first: dict[str, Any] = {"phase": "sft", "step": 0}
-    do_eval(0, first)
-    history.append(first)
-    on_metrics(first)
-    for step in range(1, cfg.run.num_rollout + 1):
+    if start == 1:
+        first: dict[str, Any] = {"phase": "sft", "step": 0}
+        do_eval(0, first)
+        history.append(first)
+        on_metrics(first)
+        first_eval = first["eval_accuracy"]
+    for step in range(start, cfg.run.num_rollout + 1):
         t0 = time.perf_counter()
-        batch = make_train_batch(list(itertools.islice(stream, t.sft_batch_size)), c.ctx.tokenizer.pad_token_id)
+        examples = list(itertools.islice(stream, t.sft_batch_size))
+        consumed += len(examples)
+        batch = make_train_batch(examples, c.ctx.tokenizer.pad_token_id)
         record: dict[str, Any] = {"phase": "sft", "step": step, **trainer.train_step(batch, c.sft_loss, temperature=1.0, lr=t.sft_lr or t.lr)}
         c.ctx.plugins.after_train_step(c.ctx, step, record)
         if step % cfg.run.eval_every == 0 or step == cfg.run.num_rollout:
@@ -71,18 +88,22 @@ def run_sft(c, backend, trainer, eval_prompts, eval_refs, evaluate, on_metrics) 
         record["time_step"] = time.perf_counter() - t0
         history.append(record)
         on_metrics(record)
+        if save_due(cfg.run, step):
+            state = LoopState(step, version, consumed, first_eval, mode="sft")
+            save_checkpoint(Path(cfg.run.save), state, trainer, backend, c.family, tokenizer_files(c.ctx.tokenizer))
     evals = [h for h in history if "eval_accuracy" in h]
     trains = [h["nll"] for h in history if "nll" in h]
+    last = evals[-1]["eval_accuracy"] if evals else first_eval  # a resume of a finished run evaluates nothing
     return {
         "status": "completed",
         "mode": "sft",
         "steps": cfg.run.num_rollout,
         "weight_version": version,
-        "eval_accuracy_first": evals[0]["eval_accuracy"],
-        "eval_accuracy_last": evals[-1]["eval_accuracy"],
-        "eval_accuracy_gain": evals[-1]["eval_accuracy"] - evals[0]["eval_accuracy"],
-        "eval_nll_first": evals[0].get("eval_nll"),
-        "eval_nll_last": evals[-1].get("eval_nll"),
-        "train_nll_first": trains[0] if trains else None,
+        "eval_accuracy_first": first_eval,
+        "eval_accuracy_last": last,
+        "eval_accuracy_gain": last - first_eval,
+        "eval_nll_first": evals[0].get("eval_nll") if start == 1 else None,  # a resumed run's first NLLs were its first part's
+        "eval_nll_last": evals[-1].get("eval_nll") if evals else None,
+        "train_nll_first": trains[0] if trains and start == 1 else None,
         "train_nll_last": trains[-1] if trains else None,
     }
