@@ -356,3 +356,21 @@ def test_a_killed_sft_run_resumes_from_its_checkpoint(tmp_path):
     assert summary["eval_accuracy_last"] == full_summary["eval_accuracy_last"]
     with pytest.raises(ConfigError, match="was saved by a run.mode=sft run and cannot be resumed by run.mode=rl"):
         build(tiny_config(tmp_path / "d", f"run.save={save}", "run.resume=true"), MilesPlugins(), None)
+
+
+def test_what_killed_saves_left_in_the_save_folder_is_removed(tmp_path):
+    """A SIGKILL (OOM killer, preemption) during a save leaves its temporary folders: the checkpoint's .tmp-step_N, the
+    final model's .hf.tmp-XXXX (atomic_dir), an old step_N moved aside whose replacement is in place. Each can be a
+    whole checkpoint, and no later run removed them (.hf.tmp-* and .old-* never; .tmp-step_N only if that very step
+    was saved again). The next run on the folder removes them; a folder moved aside without its replacement is put back."""
+    import shutil
+
+    save = tmp_path / "save"
+    _run(tmp_path / "a", f"run.save={save}", "run.save_interval=1", "run.num_rollout=2")
+    for leftover in (".tmp-step_000005", ".step_000001.old-4242"):  # as the kills left them
+        shutil.copytree(save / "step_000002", save / leftover)
+    for leftover in ("hf", ".hf.tmp-k1ll3d", ".hf.old-4243"):  # the final model's export (orchestration/run.py)
+        shutil.copytree(save / "step_000002" / "hf", save / leftover)
+    shutil.move(save / "step_000002", save / ".step_000002.old-4244")  # killed between replace_dir's two renames
+    assert [r["step"] for r in _run(tmp_path / "b", f"run.save={save}", "run.resume=true", "run.num_rollout=3")] == [3]
+    assert sorted(p.name for p in save.iterdir()) == ["hf", "latest", "step_000001", "step_000002", "step_000003"]

@@ -75,6 +75,20 @@ def find_checkpoint(path: str | Path | None) -> Path | None:
     return ckpt
 
 
+def remove_killed_saves(save_dir: Path) -> None:
+    """Remove what saves killed outright (SIGKILL: the OOM killer, a preemption) left in a ``run.save`` folder: a
+    checkpoint's ``.tmp-step_N``, the final model's ``.hf.tmp-*`` (atomic_dir), an old folder moved aside
+    (``.step_N.old-PID``, ``.hf.old-PID``) whose replacement is in place. Each can be a whole checkpoint, and nothing
+    else removed them (a ``.tmp-step_N`` only when that step was saved again). Called as a run starts, before it
+    writes there; a folder moved aside without its replacement stays (find_checkpoint puts it back)."""
+    save_dir = Path(save_dir)
+    for tmp in [*save_dir.glob(".tmp-step_*"), *save_dir.glob(".hf.tmp-*")]:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in save_dir.glob(".*.old-*"):
+        if (save_dir / old.name[1:].rsplit(".old-", 1)[0]).exists():
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def _rng_state(backend) -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -23,7 +23,8 @@ from miles_core.algorithms.stats import advantage_metrics
 from miles_core.errors import DataError
 from miles_core.orchestration.aux_models import AuxModels, build_aux_models
 from miles_core.orchestration.build import Components, tokenizer_files
-from miles_core.orchestration.checkpoint import LoopState, find_checkpoint, load_checkpoint, read_loop_state, save_checkpoint, save_due
+from miles_core.orchestration.checkpoint import (LoopState, find_checkpoint, load_checkpoint, read_loop_state,
+                                                 remove_killed_saves, save_checkpoint, save_due)
 from miles_core.orchestration.placement import make_placement
 from miles_core.orchestration.rollout_io import save_rollouts
 from miles_core.orchestration.schedules import make_source
@@ -32,6 +33,7 @@ from miles_core.orchestration.sft_loop import run_sft
 from miles_core.rewards.runner import score_samples
 from miles_core.rollout.base import SamplingParams
 from miles_core.train.batch import lacks_rollout_logprobs, make_train_batch
+from miles_core.train.distributed import current
 from miles_core.types import AdvantageInputs, Prompt, Sample
 
 
@@ -213,6 +215,8 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
     summary: dict[str, Any] = {"status": "failed"}
     history: list[dict[str, Any]] = []
     ckpt = find_checkpoint(cfg.run.load)
+    if cfg.run.save and current().is_main:
+        remove_killed_saves(Path(cfg.run.save))
     resume = ckpt if trainer is not None else None
     consumed, start, first_eval = 0, 1, None
     source = None
