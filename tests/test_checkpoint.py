@@ -257,3 +257,20 @@ def test_atomic_file_keeps_the_old_file_when_a_write_fails(tmp_path):
         atomic_file(dest, half)
     assert dest.read_text() == "v1"
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temporary file left
+
+
+def test_an_exported_model_is_readable_as_the_umask_allows(tmp_path):
+    """mkdtemp makes its folder 0700 and safetensors writes 0600: a saved HF folder was readable by its owner only, so
+    a server running as another user (a serving container, a shared model folder) could not load it."""
+    import os
+    import stat
+
+    from safetensors.torch import save_file
+
+    old = os.umask(0o022)
+    try:
+        atomic_dir(tmp_path / "hf", lambda d: save_file({"w": torch.zeros(2)}, str(d / "model.safetensors")))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "hf").stat().st_mode) == 0o755
+    assert stat.S_IMODE((tmp_path / "hf" / "model.safetensors").stat().st_mode) == 0o644

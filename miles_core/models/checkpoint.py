@@ -26,12 +26,37 @@ def atomic_dir(dest: Path, write) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
         write(tmp)
+        share_as_umask_allows(tmp)
         fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     replace_dir(tmp, dest)
     fsync_dir(dest.parent)  # the rename itself on disk
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask would change it for every thread meanwhile)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
+def share_as_umask_allows(root: Path) -> None:
+    """Give the folders and files under ``root`` the modes a plain mkdir / open would (0755 / 0644 under the usual
+    umask): mkdtemp makes 0700 and safetensors writes 0600, so an exported model was readable by its owner only (a
+    server running as another user, a shared model folder, could not load it)."""
+    mask = _umask()
+    os.chmod(root, 0o777 & ~mask)
+    for dirpath, dirs, files in os.walk(root):
+        for d in dirs:
+            os.chmod(os.path.join(dirpath, d), 0o777 & ~mask)
+        for f in files:
+            os.chmod(os.path.join(dirpath, f), 0o666 & ~mask)
 
 
 def atomic_file(dest: Path, write) -> Path:
