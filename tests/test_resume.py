@@ -374,3 +374,23 @@ def test_what_killed_saves_left_in_the_save_folder_is_removed(tmp_path):
     shutil.move(save / "step_000002", save / ".step_000002.old-4244")  # killed between replace_dir's two renames
     assert [r["step"] for r in _run(tmp_path / "b", f"run.save={save}", "run.resume=true", "run.num_rollout=3")] == [3]
     assert sorted(p.name for p in save.iterdir()) == ["hf", "latest", "step_000001", "step_000002", "step_000003"]
+
+
+def test_resuming_a_finished_run_reports_its_accuracy_not_a_gain_of_zero(tmp_path):
+    """--resume of a run whose checkpoint is already at run.num_rollout trains nothing; its summary said the last
+    held-out accuracy was the first one (a gain of 0), whatever the run had learnt. The held-out set is scored on the
+    checkpoint's weights instead: the same figures as the finished run's. (The reversal task of tests/algorithms/
+    test_e2e.py, whose accuracy moves within a few RL steps.)"""
+    base = ["run.num_threads=1", "data.task=reverse", "data.num_eval=100",
+            "data.task_options={min_len: 2, max_len: 4, alphabet: abcde, demo_noise: 0.5}", "model.hidden_size=128",
+            "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2", "model.intermediate_size=384",
+            "rollout.batch_size=32", "rollout.n_samples_per_prompt=8", "rollout.max_response_len=5", "train.sft_warmup_steps=120",
+            "train.sft_batch_size=32", "train.sft_lr=0.003", "train.lr=0.002", "train.micro_batch_size=256",
+            "run.num_rollout=6", f"run.save={tmp_path / 'ckpt'}", "run.save_interval=6"]
+    first, _ = run_loop(build(tiny_config(tmp_path / "a", *base), MilesPlugins(), tmp_path / "a"), lambda r: None)
+    assert first["eval_accuracy_last"] != first["eval_accuracy_first"]  # else this test could not tell
+    records = []
+    again, _ = run_loop(build(tiny_config(tmp_path / "b", *base, "run.resume=true"), MilesPlugins(), tmp_path / "b"), records.append)
+    assert [r for r in records if r["phase"] == "rl"] == []
+    for key in ("eval_accuracy_first", "eval_accuracy_last", "eval_accuracy_gain", "weight_version"):
+        assert again[key] == pytest.approx(first[key]), key

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import random
 import time
 from pathlib import Path
@@ -35,6 +36,8 @@ from miles_core.rollout.base import SamplingParams
 from miles_core.train.batch import lacks_rollout_logprobs, make_train_batch
 from miles_core.train.distributed import current
 from miles_core.types import AdvantageInputs, Prompt, Sample
+
+log = logging.getLogger(__name__)
 
 
 class Timer:
@@ -328,6 +331,11 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
                 state = LoopState(step, version, consumed, first_eval, getattr(c.task, "data_fingerprint", None))
                 save_checkpoint(Path(cfg.run.save), state, trainer, backend, c.family, tokenizer_files(tok), aux.critic)
         evals = [h for h in history if "eval_accuracy" in h]
+        if not evals and resume is not None and backend is not None:
+            # the checkpoint was already at run.num_rollout: nothing trained, but its weights are the run's result
+            log.warning("the checkpoint in %s is at step %d, run.num_rollout=%d: nothing to train", cfg.run.load, start - 1,
+                        cfg.run.num_rollout)
+            evals = [evaluate(c, backend, eval_prompts)]
         summary = {
             "status": "completed",
             "steps": cfg.run.num_rollout,
