@@ -394,3 +394,22 @@ def test_resuming_a_finished_run_reports_its_accuracy_not_a_gain_of_zero(tmp_pat
     assert [r for r in records if r["phase"] == "rl"] == []
     for key in ("eval_accuracy_first", "eval_accuracy_last", "eval_accuracy_gain", "weight_version"):
         assert again[key] == pytest.approx(first[key]), key
+
+
+def test_an_sft_resume_refuses_a_changed_example_file(tmp_path):
+    """An SFT checkpoint's position in its example stream (data.train_path's pairs, reshuffled with the seed) is exact
+    only over the file it was saved with; SFT checkpoints recorded no fingerprint, so an edited file resumed silently
+    from another order. Refused as RL's resume is, unless data.allow_changed_on_resume accepts it."""
+    from miles_core.errors import DataError
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(f'{{"prompt": "q{i}", "response": "a{i}"}}\n' for i in range(8)))
+    sft = ["run.mode=sft", "train.sft_batch_size=4", f"data.train_path={data}", f"run.save={tmp_path / 'save'}",
+           "run.save_interval=1"]
+    run_loop(build(tiny_config(tmp_path / "a", "run.num_rollout=1", *sft), MilesPlugins(), tmp_path / "a"), lambda r: None)
+    resume = [*sft, "run.num_rollout=2", "run.resume=true"]
+    build(tiny_config(tmp_path / "b", *resume), MilesPlugins(), None)  # the same file: accepted
+    data.write_text(data.read_text().replace("a3", "a33"))
+    with pytest.raises(DataError, match=r"data.train_path '.*pairs.jsonl' changed since checkpoint"):
+        build(tiny_config(tmp_path / "b", *resume), MilesPlugins(), None)
+    build(tiny_config(tmp_path / "b", *resume, "data.allow_changed_on_resume=true"), MilesPlugins(), None)

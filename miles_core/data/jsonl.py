@@ -33,6 +33,15 @@ class Fingerprint:
         return {"path": path, "size": self.size, "sha256": self._sha.hexdigest()}
 
 
+def file_fingerprint(path: str) -> dict[str, object]:
+    """:class:`Fingerprint` of a whole file (the same figures as one taken while its lines are read)."""
+    fingerprint = Fingerprint()
+    with Path(path).open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            fingerprint.update(block)
+    return fingerprint.as_dict(path)
+
+
 def read_rows(path: str, fingerprint: Fingerprint | None = None) -> Iterator[tuple[str, object]]:
     """``(where, value)`` for each non-blank line of a JSONL file, ``where`` being ``path:line`` for errors. Each line
     is decoded on its own, so a file saved in another encoding is named with its line (not a traceback); a byte-order

@@ -25,7 +25,8 @@ from miles_core.models.base import ModelFamily
 from miles_core.models.checkpoint import load_hf_folder
 from miles_core.models.gguf import gguf_file, load_gguf
 from miles_core.models.decoder import DecoderConfig
-from miles_core.orchestration.checkpoint import check_data_fingerprint, check_mode, find_checkpoint, read_loop_state
+from miles_core.orchestration.checkpoint import (check_data_fingerprint, check_mode, find_checkpoint, read_loop_state,
+                                                 sft_data_fingerprint)
 from miles_core.orchestration.placement import check_placement
 from miles_core.platforms import select_platform
 from miles_core.plugins.manager import MilesPlugins
@@ -120,13 +121,17 @@ def check_run_folders(cfg: MilesConfig) -> None:
 def check_resume_data(cfg: MilesConfig, task: Task) -> None:
     """A resumed RL run replays the prompt stream from its checkpoint's position, which is exact only over the data
     the checkpoint was saved with: checked here, before any engine or trainer is built (``miles validate`` too).
-    run.mode=rollout takes only the checkpoint's weights, sft continues its own stream of examples (not the task's
-    prompts), and
-    run.load_rollouts trains on saved samples, drawing no prompts."""
+    run.mode=rollout takes only the checkpoint's weights; sft continues its own stream of examples (data.train_path's
+    pairs, or the task's reference answers), checked the same way; run.load_rollouts trains on saved samples,
+    drawing no prompts."""
     ckpt = find_checkpoint(cfg.run.load)
-    if ckpt is None or cfg.run.mode != "rl":
+    if ckpt is None or cfg.run.mode == "rollout":
         return
     state = read_loop_state(ckpt)
+    if cfg.run.mode == "sft":  # its own checkpoints continue its example stream; an RL one gives it only weights
+        if state.mode == "sft":
+            check_data_fingerprint(ckpt, state.data_fingerprint, sft_data_fingerprint(cfg.data, task), cfg.data.allow_changed_on_resume)
+        return
     check_mode(ckpt, state, "rl")
     if cfg.run.load_rollouts:
         return

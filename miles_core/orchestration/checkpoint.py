@@ -188,6 +188,16 @@ def _same_data(saved: dict | None, current: dict | None) -> bool:
     return key(saved) == key(current)
 
 
+def sft_data_fingerprint(data_cfg, task) -> dict | None:
+    """What an SFT run's example stream is made from: ``data.train_path``'s bytes when it reads (prompt, response)
+    pairs from it, else the task's data (its reference answers)."""
+    if data_cfg.train_path:
+        from miles_core.data.jsonl import file_fingerprint
+
+        return file_fingerprint(data_cfg.train_path)
+    return getattr(task, "data_fingerprint", None)
+
+
 def check_data_fingerprint(ckpt: Path, saved: dict | None, current: dict | None, allow_changed: bool) -> None:
     """Refuse to resume from ``ckpt`` over other data than it was saved with: the replayed prompt stream would be
     another order of prompts (or other prompts), silently. ``saved`` and ``current`` are task data fingerprints

@@ -26,7 +26,8 @@ from pathlib import Path
 from miles_core.algorithms.masked import masked_mean
 from miles_core.data.sft import read_sft_examples
 from miles_core.orchestration.build import tokenizer_files
-from miles_core.orchestration.checkpoint import LoopState, load_checkpoint, read_loop_state, save_checkpoint, save_due
+from miles_core.orchestration.checkpoint import (LoopState, load_checkpoint, read_loop_state, save_checkpoint, save_due,
+                                                 sft_data_fingerprint)
 from miles_core.train.batch import make_train_batch
 from miles_core.types import Sample
 
@@ -89,7 +90,7 @@ def run_sft(c, backend, trainer, eval_prompts, eval_refs, evaluate, on_metrics, 
         history.append(record)
         on_metrics(record)
         if save_due(cfg.run, step):
-            state = LoopState(step, version, consumed, first_eval, mode="sft")
+            state = LoopState(step, version, consumed, first_eval, sft_data_fingerprint(cfg.data, c.task), mode="sft")
             save_checkpoint(Path(cfg.run.save), state, trainer, backend, c.family, tokenizer_files(c.ctx.tokenizer))
     evals = [h for h in history if "eval_accuracy" in h]
     trains = [h["nll"] for h in history if "nll" in h]
