@@ -10,7 +10,7 @@ import torch
 from miles_core.data.tokenizer import load_tokenizer
 from miles_core.errors import ConfigError
 from miles_core.kernels.base import Kernels
-from miles_core.models.checkpoint import find_family, load_hf_folder, read_hf_config
+from miles_core.models.checkpoint import find_family, hf_eos_token_ids, load_hf_folder, read_hf_config
 from miles_core.platforms import select_platform
 from miles_core.plugins.manager import MilesPlugins
 from miles_core.rollout.engine_core.config import EngineConfig
@@ -80,5 +80,7 @@ def build_server(model: str, host: str = "127.0.0.1", port: int = 30000, device:
     if not is_transformers_model(m):  # the platform's rmsnorm/rope/swiglu, as the trainer uses
         m.use_kernels(Kernels(plugins, _platform.name))
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    if Path(model).is_dir():  # and the checkpoint's own (config.json, generation_config.json), as SGLang stops on
+        eos += hf_eos_token_ids(Path(model))
     core = EngineCore(m, engine or EngineConfig(), eos_token_ids=eos, detokenize=tok.decode, seed=seed)
     return MilesServer(ThreadedEngine(core), tok, model, host, port, max_request_bytes)

@@ -588,3 +588,39 @@ def test_memory_tags_that_are_not_a_list_of_strings_are_a_400(client, server):
     assert server.engine.core.released == {"kv_cache"}
     assert client.post("/resume_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
     assert not server.engine.core.released
+
+
+def test_the_model_s_own_eos_ids_end_a_response_as_the_tokenizer_s_does(model_dir, tmp_path, client_for):
+    """SGLang stops on every eos id of the checkpoint's config.json and generation_config.json (an int or a list;
+    Llama 3 Instruct's <|eot_id|>, Qwen's <|endoftext|> beside <|im_end|>), not on the tokenizer's eos alone;
+    ignore_eos still runs past them."""
+    import shutil
+
+    from miles_core.rollout.engine_core.config import EngineConfig
+    from miles_core.serve.app import build_server
+
+    srv = build_server(str(model_dir), port=0, device="cpu", engine=EngineConfig(block_size=4, decode_steps=2))
+    srv.start()
+    try:
+        free = client_for(srv.port).post("/generate", {"text": "8+9=", "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}})[1]
+    finally:
+        srv.shutdown()
+    ids = free["output_ids"]
+    a, b = ids[2], next(t for t in range(4, 40) if t not in ids)  # a token of the answer, and one it never makes
+    assert srv.tokenizer.eos_token_id not in ids[:3] and a not in ids[:2]
+    path = tmp_path / "with_eos"
+    shutil.copytree(model_dir, path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": b}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [b, a]}))
+    srv = build_server(str(path), port=0, device="cpu", engine=EngineConfig(block_size=4, decode_steps=2))
+    srv.start()
+    try:
+        client = client_for(srv.port)
+        out = client.post("/generate", {"text": "8+9=", "sampling_params": {"max_new_tokens": 10, "temperature": 0}})[1]
+        assert out["output_ids"] == ids[: ids.index(a) + 1]
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": a}
+        past = client.post("/generate", {"text": "8+9=", "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}})[1]
+        assert past["output_ids"] == ids
+    finally:
+        srv.shutdown()
