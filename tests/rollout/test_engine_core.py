@@ -400,6 +400,21 @@ def test_a_response_ends_at_max_model_len():
     assert free.output_ids[:14] == group[0].output_ids
 
 
+def test_a_model_s_shorter_context_bounds_the_scheduler_s_windows_and_pages():
+    """The model's max_position_embeddings caps max_model_len for the scheduler too: sizing windows and pages by the
+    larger setting, a request near its end asked for pages past it, and in the smallest pool preempted itself forever."""
+    model = tiny()
+    model.config.max_position_embeddings = 32
+    core = engine(model=model, decode_steps=24, max_model_len=256, num_blocks=2)
+    assert core.max_model_len == 32 and core.blocks.num_blocks == 10  # the pool holds the longest sequence, 32 tokens
+    (r,) = core.add_request(list(range(1, 21)), SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True))
+    for _ in range(20):
+        if not core.has_unfinished():
+            break
+        core.step()
+    assert r.finish_reason == "length" and r.num_tokens == 32
+
+
 def test_a_failing_step_ends_every_request_and_the_engine_goes_on():
     from miles_core.rollout.engine_core.threaded import ThreadedEngine
 

@@ -108,7 +108,7 @@ class EngineCore:
         self.runner.allocate_kv(n)
         self._cpu.reset()
         self.blocks = BlockManager(n, self.cfg.block_size, self.cfg.prefix_caching)
-        self.scheduler = Scheduler(self.cfg, self.blocks, lambda r: not self.runner.is_moe or r.leader is not None)
+        self.scheduler = Scheduler(self.cfg, self.blocks, lambda r: not self.runner.is_moe or r.leader is not None, self.max_model_len)
         s = self.cfg.max_num_seqs
         self._table = torch.zeros(s, self.runner.max_blocks, dtype=torch.int32, device=self.device)
         self._table_owner: list[Request | None] = [None] * s

@@ -44,9 +44,11 @@ def final_len(req: Request, max_model_len: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, blocks: BlockManager, allow_prefix_reuse) -> None:
+    def __init__(self, cfg: EngineConfig, blocks: BlockManager, allow_prefix_reuse, max_model_len: int | None = None) -> None:
         self.cfg = cfg
         self.blocks = blocks
+        # the engine's limit (cfg.max_model_len capped by the model's positions): windows and pages past it are never used
+        self.max_model_len = max_model_len or cfg.max_model_len
         self.allow_prefix_reuse = allow_prefix_reuse  # (request) -> bool
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -137,12 +139,12 @@ class Scheduler:
     # ------------------------------------------------------------------ decode
     def _decode(self, reqs: list[Request]) -> DecodePlan:
         # no longer than the longest of the rows still needs (its host state may lag a window in flight: longer, never shorter)
-        steps = max(1, min(self.cfg.decode_steps, max(final_len(r, self.cfg.max_model_len) - r.num_tokens for r in reqs)))
+        steps = max(1, min(self.cfg.decode_steps, max(final_len(r, self.max_model_len) - r.num_tokens for r in reqs)))
         preempted: list[Request] = []
         for req in list(reqs):
             if req in preempted:
                 continue
-            need = min(req.num_tokens - 1 + steps, final_len(req, self.cfg.max_model_len) - 1)
+            need = min(req.num_tokens - 1 + steps, final_len(req, self.max_model_len) - 1)
             while not self.blocks.grow(req, need):
                 victim = next(r for r in reversed(self.running) if r not in preempted)
                 self.preempt(victim)
