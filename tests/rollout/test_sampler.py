@@ -78,6 +78,22 @@ def test_filters_combine_min_p_does_not_widen_top_k_or_top_p():
     assert set(tok.tolist()) == {0}
 
 
+def test_a_row_without_top_p_keeps_its_whole_support_beside_rows_that_filter():
+    """top_p = 1 cuts nothing. The fp32 cumulative sum of a large vocabulary's sorted probabilities reaches 1.0 before its
+    last tokens, and the top-p test (mass before a token < top_p) dropped them (here ~2,300 of 49,152, ~2e-6 of the mass)
+    from a row with no top-p batched with a row that filters, or with a top-k: its draws depended on its batch."""
+    from miles_core.rollout.engine_core.sampler import _threshold
+
+    torch.manual_seed(0)
+    z = torch.randn(1, 49152) * 3
+    for own in (SamplingParams(), SamplingParams(top_k=49152)):
+        for other in (SamplingParams(top_p=0.9), SamplingParams(top_k=10), SamplingParams()):
+            st = SamplingTensors.build([own, other], [1, 2], "cpu")
+            assert _threshold(torch.cat([z, z]), st)[0] <= z.min()
+    st = SamplingTensors.build([SamplingParams(top_p=0.9)], [1], "cpu")  # a top-p row is still cut
+    assert _threshold(z, st)[0] > z.min()
+
+
 def test_greedy_rows_and_sampled_rows_in_one_batch_and_seeds():
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0)]
     st = SamplingTensors.build(params, [1, 2, 2], "cpu")

@@ -98,7 +98,8 @@ def _threshold(s: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         # top-k first, then top-p on the renormalised survivors (the order HF's warpers use)
         masked = srt.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
         probs = torch.softmax(masked, -1)
-        keep = (rank[None, :] < k[:, None]) & ((probs.cumsum(-1) - probs) < st.top_p[:, None])
+        # top_p 1 cuts nothing: the fp32 cumulative sum reaches 1.0 before a large vocabulary's last tokens
+        keep = (rank[None, :] < k[:, None]) & (((probs.cumsum(-1) - probs) < st.top_p[:, None]) | (st.top_p[:, None] >= 1.0))
         n_keep = keep.sum(-1).clamp(min=1)
         lo = srt.gather(-1, (n_keep - 1)[:, None]).squeeze(-1)
     if st.any_min_p:  # the top token always survives the filters above: their max is s.max()
