@@ -111,3 +111,46 @@ def test_a_checkpoint_of_an_hf_tokenizer_run_reloads_with_its_tokenizer(tmp_path
     assert back.encode(text) == tok.encode(text) and back.vocab_size == tok.vocab_size and back.eos_token_id == tok.eos_token_id
     messages = [{"role": "user", "content": text}]
     assert back.render_chat(messages) == tok.render_chat(messages)
+
+
+def test_an_hf_model_s_own_eos_ids_end_rl_rollouts_and_travel_with_its_checkpoints(tmp_path):
+    """The built-in engine stopped on the tokenizer's one eos only, not on the ids the model's generation_config.json
+    names (Llama 3 Instruct ends turns with <|eot_id|> while its tokenizer's eos is <|end_of_text|>): its RL rollouts ran
+    on to max_response_len where SGLang and HF generate stop. And a checkpoint's folder lost those ids (the saved
+    config.json names none), so a resumed run or an exported model stopped on fewer."""
+    import json
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from miles_core.data.tokenizer import load_tokenizer
+    from miles_core.models.checkpoint import save_hf_folder
+    from miles_core.models.decoder import Decoder, DecoderConfig
+    from miles_core.orchestration.build import tokenizer_files
+    from miles_core.rollout.base import SamplingParams
+    from miles_core.rollout.engine import BuiltinEngine
+    from miles_core.types import Prompt
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(["reverse the string: abcdef"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    src = tmp_path / "src"
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>").save_pretrained(src)
+    tok = load_tokenizer(src)
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    free = BuiltinEngine(model, tok, torch.device("cpu"), 4).generate([Prompt("reverse the string: ab")], greedy)[0]
+    stop = free.response_ids[0]  # the free answer's first token, made the model's own end-of-turn id
+    assert len(free.response_ids) == 8 and stop != tok.eos_token_id
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, stop], "temperature": 0.6}))
+    tok = load_tokenizer(src)
+    assert tok.stop_token_ids == [tok.eos_token_id, stop]
+    ended = BuiltinEngine(model, tok, torch.device("cpu"), 4).generate([Prompt("reverse the string: ab")], greedy)[0]
+    assert ended.response_ids == [stop] and ended.finish_reason == "stop"
+    save_hf_folder(model, MilesPlugins(autoload=False).registries.model_families.get("llama"), tmp_path / "ckpt", tokenizer_files(tok))
+    assert json.loads((tmp_path / "ckpt" / "generation_config.json").read_text())["temperature"] == 0.6  # the file as it was
+    assert load_tokenizer(tmp_path / "ckpt").stop_token_ids == [tok.eos_token_id, stop]

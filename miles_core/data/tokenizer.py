@@ -45,6 +45,26 @@ class CharTokenizer:
         return json.dumps({"type": "char", "alphabet": self.alphabet})
 
 
+def hf_eos_token_ids(path: Path) -> list[int]:
+    """The end-of-sequence ids an HF folder's ``config.json`` and ``generation_config.json`` name (each an int or a
+    list). Chat models end a turn with ids the tokenizer's one eos does not name (Llama 3 Instruct's <|eot_id|>, Qwen's
+    <|endoftext|> beside <|im_end|>); SGLang stops on all of them, so a server that does not runs on past them."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        file = Path(path) / name
+        if not file.is_file():
+            continue
+        try:
+            cfg = json.loads(file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{file}: not valid JSON ({exc})") from None
+        eos = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+        for t in eos if isinstance(eos, list) else [eos]:
+            if isinstance(t, int) and not isinstance(t, bool) and t not in ids:
+                ids.append(t)
+    return ids
+
+
 class HFTokenizer:
     """A transformers tokenizer loaded from a checkpoint folder (offline)."""
 
@@ -56,6 +76,9 @@ class HFTokenizer:
         except Exception as exc:  # its message may run over several lines: the CLI prints one
             raise ConfigError(f"cannot load a tokenizer from '{path}': {' '.join(str(exc).split())}") from None
         self._setup()
+        self.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids, *hf_eos_token_ids(path)]))
+        gen = Path(path) / "generation_config.json"
+        self._generation_config = gen.read_bytes() if gen.is_file() else None
 
     @classmethod
     def wrap(cls, tok) -> HFTokenizer:
@@ -67,15 +90,25 @@ class HFTokenizer:
 
     def files(self) -> dict[str, bytes]:
         """The tokenizer's files as ``save_pretrained`` writes them, to be saved beside a checkpoint's weights: a
-        checkpoint that --resume or ``miles serve`` builds from reads its tokenizer from its own folder."""
+        checkpoint that --resume or ``miles serve`` builds from reads its tokenizer from its own folder. With them the
+        model's ``generation_config.json`` (its own, or one naming the stop ids): the saved ``config.json`` holds no
+        eos ids, and without it a resumed run or an exported model would stop on the tokenizer's eos alone."""
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
             self.tok.save_pretrained(tmp)
-            return {f.name: f.read_bytes() for f in Path(tmp).iterdir() if f.is_file()}
+            files = {f.name: f.read_bytes() for f in Path(tmp).iterdir() if f.is_file()}
+        if self._generation_config is not None:
+            files["generation_config.json"] = self._generation_config
+        elif self.stop_token_ids != [self.eos_token_id]:
+            files["generation_config.json"] = json.dumps({"eos_token_id": self.stop_token_ids}).encode()
+        return files
 
     def _setup(self) -> None:
         self.eos_token_id = self.tok.eos_token_id
+        # the ids that end a response: the tokenizer's eos and those the model's config files name (HFTokenizer(path))
+        self.stop_token_ids = [self.eos_token_id] if self.eos_token_id is not None else []
+        self._generation_config: bytes | None = None
         self.pad_token_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_token_id
         self.vocab_size = len(self.tok)
 

@@ -161,26 +161,6 @@ def read_hf_config(path: Path) -> dict:
     return hf
 
 
-def hf_eos_token_ids(path: Path) -> list[int]:
-    """The end-of-sequence ids an HF folder's ``config.json`` and ``generation_config.json`` name (each an int or a
-    list). Chat models end a turn with ids the tokenizer's one eos does not name (Llama 3 Instruct's <|eot_id|>, Qwen's
-    <|endoftext|> beside <|im_end|>); SGLang stops on all of them, so a server that does not runs on past them."""
-    ids: list[int] = []
-    for name in ("config.json", "generation_config.json"):
-        file = Path(path) / name
-        if not file.is_file():
-            continue
-        try:
-            cfg = json.loads(file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{file}: not valid JSON ({exc})") from None
-        eos = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
-        for t in eos if isinstance(eos, list) else [eos]:
-            if isinstance(t, int) and not isinstance(t, bool) and t not in ids:
-                ids.append(t)
-    return ids
-
-
 def find_family(hf: dict, families: Registry) -> ModelFamily | None:
     """The family whose ``hf_model_types`` hold the config's ``model_type``, or None."""
     model_type = hf.get("model_type", "")

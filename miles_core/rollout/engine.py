@@ -59,7 +59,9 @@ class BuiltinEngine:
         self.tokenizer = tokenizer
         self.device = device
         self.precision = precision  # its kernel_mode wraps every engine step (a plugin's batch-invariant mode)
-        eos = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
+        eos = getattr(tokenizer, "stop_token_ids", None)  # an HF model's own eos ids too (Llama 3 Instruct's <|eot_id|>)
+        if eos is None:
+            eos = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
         op = kernels["logprobs"] if exact and kernels is not None else None  # the trainer's op, for bitwise logprobs
         self.core = EngineCore(
             model, cfg, eos_token_ids=eos, detokenize=tokenizer.decode, seed=seed,

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from miles_core.data.tokenizer import load_tokenizer
+from miles_core.data.tokenizer import hf_eos_token_ids, load_tokenizer
 from miles_core.errors import ConfigError
 from miles_core.kernels.base import Kernels
-from miles_core.models.checkpoint import find_family, hf_eos_token_ids, load_hf_folder, read_hf_config
+from miles_core.models.checkpoint import find_family, load_hf_folder, read_hf_config
 from miles_core.platforms import select_platform
 from miles_core.plugins.manager import MilesPlugins
 from miles_core.rollout.engine_core.config import EngineConfig
