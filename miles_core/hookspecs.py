@@ -179,4 +179,6 @@ class MilesSpecs:
 
     @hookspec
     def miles_run_end(self, ctx: RunContext, summary: dict[str, Any]) -> None:
-        """Called once when the run ends (normally or not); ``summary['status']`` says which."""
+        """Called once when the run ends (normally or not); ``summary['status']`` says which. A failed run's
+        ``summary`` holds only its status. An exception raised here while the run is failing is logged, not
+        raised: the run's own error is the one reported."""

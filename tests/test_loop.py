@@ -356,6 +356,29 @@ def test_a_run_start_or_run_end_hook_that_raises_still_closes_the_engines(tmp_pa
         assert closed == [True] and rec.calls[-1] == ("end", status)
 
 
+def test_a_run_end_hook_that_raises_does_not_hide_why_the_run_failed(tmp_path, caplog):
+    """A run that failed (here a plugin's after_rollout) calls miles_run_end from its finally; a run_end that raised
+    there too (a tracker's upload, a summary key a failed run lacks) replaced the run's own error, so the CLI's one
+    line named run_end and the real failure was never shown. The run's error goes on; run_end's is logged."""
+    from miles_core.errors import PluginError
+
+    class FailsInRollout:
+        @hookimpl
+        def miles_after_rollout(self, ctx, step, samples):
+            raise KeyError("samples_table")
+
+    class FailsAtEnd:
+        @hookimpl
+        def miles_run_end(self, ctx, summary):
+            raise KeyError(summary["eval_accuracy_last"])  # a failed run's summary has only its status
+
+    pm = MilesPlugins(autoload=False, extra_plugins=[("table", FailsInRollout()), ("tracker", FailsAtEnd())])
+    c = build(tiny_config(tmp_path, "run.num_threads=1"), pm, tmp_path)
+    with pytest.raises(PluginError, match="'table'.*samples_table.*miles_after_rollout"):
+        run_loop(c, lambda record: None)
+    assert any("'tracker'" in r.getMessage() and "miles_run_end" in r.getMessage() for r in caplog.records)
+
+
 def test_a_step_that_dynamic_sampling_skips_pushes_no_weights(tmp_path):
     """Dynamic sampling keeps no group of step 2 (every reward 0): nothing is trained, so the unchanged weights are
     not pushed again and the version stays; step 3's samples come from step 1's weights (version 1)."""

@@ -223,6 +223,7 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
     resume = ckpt if trainer is not None else None
     consumed, start, first_eval = 0, 1, None
     source = None
+    failure: BaseException | None = None
     try:
         ctx.plugins.run_start(ctx)  # in the try: a plugin failing here still gets run_end, and the engines are closed
         if cfg.run.mode == "sft":
@@ -345,13 +346,26 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             "eval_accuracy_gain": None if first_eval is None else (evals[-1]["eval_accuracy"] if evals else first_eval) - first_eval,
         }
         return summary, trainer
-    except KeyboardInterrupt:
-        summary = {"status": "interrupted"}
+    except BaseException as exc:
+        failure = exc
+        if isinstance(exc, KeyboardInterrupt):
+            summary = {"status": "interrupted"}
         raise
     finally:
         try:
             if source is not None:
                 source.close()
-            ctx.plugins.run_end(ctx, summary)
+            end_run(ctx, summary, failure)
         finally:
             placement.close()
+
+
+def end_run(ctx, summary: dict[str, Any], failure: BaseException | None) -> None:
+    """miles_run_end. While the run is failing (``failure``), a plugin's error here is logged, not raised: raised from
+    the loop's ``finally`` it would replace the run's own error, and the CLI's one line would name run_end instead."""
+    try:
+        ctx.plugins.run_end(ctx, summary)
+    except Exception as exc:
+        if failure is None:
+            raise
+        log.error("%s; the run had already failed: see the error below", exc)
