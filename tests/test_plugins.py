@@ -230,6 +230,36 @@ def test_estimator_and_loss_that_return_the_wrong_thing_name_the_plugin(tmp_path
         assert f"policy loss '{name}'" in str(exc.value) and "my-algo" in str(exc.value) and what in str(exc.value)
 
 
+def test_task_factory_estimator_and_loss_that_raise_name_the_plugin(tmp_path):
+    # a plugin's hooks that raise are one line naming the plugin (exit 2), but its task factory (miles validate too),
+    # estimator and loss ended the run on a bare traceback (exit 1) that named neither the component nor the plugin
+    import torch
+
+    from miles_core.types import AdvantageInputs
+
+    class Broken:
+        @hookimpl
+        def miles_register_tasks(self, registry):
+            registry.add("needs_file", lambda cfg: cfg.task_options["path"])
+
+        @hookimpl
+        def miles_register_advantage_estimators(self, registry):
+            registry.add("typo", lambda inputs, cfg: inputs.reward)
+
+        @hookimpl
+        def miles_register_policy_losses(self, registry):
+            registry.add("typo", lambda inputs, cfg: inputs.logprob)
+
+    with pytest.raises(PluginError, match=r"^task 'needs_file' \(plugin 'my-algo'\) raised KeyError: 'path'$"):
+        _built(tmp_path, Broken(), "data.task=needs_file")
+    c = _built(tmp_path, Broken(), "algorithm.advantage_estimator=typo", "algorithm.policy_loss=typo")
+    adv_inputs = AdvantageInputs(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), torch.ones(2, 3))
+    with pytest.raises(PluginError, match=r"^advantage estimator 'typo' \(plugin 'my-algo'\) raised AttributeError: .*'reward'"):
+        c.advantage_estimator(adv_inputs, c.ctx.config.algorithm)
+    with pytest.raises(PluginError, match=r"^policy loss 'typo' \(plugin 'my-algo'\) raised AttributeError: .*'logprob'"):
+        c.policy_loss(_loss_inputs())
+
+
 def test_kernel_select_must_choose_among_the_candidates():
     from miles_core.kernels.base import Kernels
 

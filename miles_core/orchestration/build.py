@@ -19,7 +19,7 @@ from miles_core.config.schema import MilesConfig
 from miles_core.context import RunContext
 from miles_core.data.base import Task
 from miles_core.data.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer, HFTokenizer, load_tokenizer
-from miles_core.errors import ConfigError, DataError, PluginError
+from miles_core.errors import ConfigError, DataError, MilesUserError, PluginError
 from miles_core.kernels.base import Kernels
 from miles_core.models.base import ModelFamily
 from miles_core.models.checkpoint import load_hf_folder
@@ -156,7 +156,8 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
         tokenizer = load_tokenizer(Path(source)) if source else CharTokenizer()
     kernels = Kernels(plugins, platform.name)
     ctx = RunContext(cfg, plugins, tokenizer, device, platform.name, kernels, output_dir)
-    task = regs.tasks.get(cfg.data.task, key="data.task")(cfg.data)
+    task_factory = regs.tasks.get(cfg.data.task, key="data.task")
+    task = plugin_call(_component(regs.tasks, cfg.data.task), task_factory, cfg.data)
     if not task.eval_prompts():
         raise ConfigError(f"task '{cfg.data.task}' has no held-out prompts (set data.eval_path)")
     check_resume_data(cfg, task)
@@ -194,9 +195,20 @@ def _component(registry, name: str) -> str:
     return f"{registry.kind} '{name}' (plugin '{registry.entry(name).plugin}')"
 
 
+def plugin_call(what: str, fn, *args):
+    """``fn(*args)``, where ``fn`` is a component a plugin registered (``what`` names both): what it raises is a PluginError
+    naming them, as a hook that raises is, not a bare traceback out of the run; a MilesUserError goes on as it is."""
+    try:
+        return fn(*args)
+    except MilesUserError:
+        raise
+    except Exception as exc:
+        raise PluginError(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+
 def checked_estimator(fn, what: str, inputs: AdvantageInputs, cfg) -> AdvantageOutputs:
     """``fn(inputs, cfg)``, refused with one line naming ``what`` unless it returns AdvantageOutputs of [N, T]."""
-    out = fn(inputs, cfg)
+    out = plugin_call(what, fn, inputs, cfg)
     adv = getattr(out, "advantages", None) if isinstance(out, AdvantageOutputs) else None
     if not isinstance(adv, torch.Tensor):
         raise PluginError(f"{what} returned a {type(out).__name__}; an estimator returns miles_core.types.AdvantageOutputs")
@@ -208,7 +220,7 @@ def checked_estimator(fn, what: str, inputs: AdvantageInputs, cfg) -> AdvantageO
 def checked_loss(fn, cfg, what: str, inputs: LossInputs) -> LossOutput:
     """``fn(inputs, cfg)`` (cfg by position, as the hookspec documents), refused with one line naming ``what``
     unless it returns a LossOutput with a per-token [N, T] loss and float metrics."""
-    out = fn(inputs, cfg)
+    out = plugin_call(what, fn, inputs, cfg)
     if not isinstance(out, LossOutput) or not isinstance(out.loss, torch.Tensor):
         raise PluginError(f"{what} returned a {type(out).__name__}; a policy loss returns miles_core.types.LossOutput")
     if out.loss.shape != inputs.response_mask.shape:
