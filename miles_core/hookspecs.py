@@ -94,7 +94,9 @@ class MilesSpecs:
         ``algorithm.advantage_estimator``. An estimator whose baseline is the prompt's group of
         samples (its advantages are 0 for a group of one) sets ``fn.needs_groups = True``; a run
         with ``rollout.n_samples_per_prompt=1``, or with ``rollout.temperature=0`` on the ``builtin`` or
-        ``sglang`` backend (identical samples), is then refused with a ConfigError.
+        ``sglang`` backend (identical samples), is then refused with a ConfigError. ``inputs.old_logprobs``
+        is ``None`` in a default run (``train.old_logprobs=auto``: the training forward stands in for them); an
+        estimator that reads them sets ``fn.needs_old_logprobs = True``, and the run then computes them.
         """
 
     @hookspec

@@ -92,7 +92,7 @@ class AdvantageInputs:
     rewards: torch.Tensor  # [N] float, one scalar reward per sample
     group_ids: torch.Tensor  # [N] int64, samples of one prompt share a group id
     response_mask: torch.Tensor  # [N, T] float
-    old_logprobs: torch.Tensor | None = None  # [N, T]
+    old_logprobs: torch.Tensor | None = None  # [N, T]; None unless needed (an estimator's needs_old_logprobs)
     ref_logprobs: torch.Tensor | None = None  # [N, T]
     values: torch.Tensor | None = None  # [N, T], critic estimates (PPO)
     teacher_logprobs: torch.Tensor | None = None  # [N, T], on-policy distillation

@@ -43,6 +43,18 @@ def test_checks_refuse_what_a_run_refuses():
     check_advantage_estimator(lambda inputs, cfg: AdvantageOutputs(inputs.rewards[:, None] * inputs.response_mask))
 
 
+def test_estimator_check_gives_old_logprobs_only_as_a_run_does():
+    # a default run (train.old_logprobs=auto, one update per rollout, no KL, teacher or critic) gives the estimator
+    # old_logprobs=None; the check gave a tensor, so an estimator reading them passed it and then failed every run
+    def surprise(inputs, cfg):
+        return AdvantageOutputs((inputs.rewards[:, None] - 0.01 * inputs.old_logprobs) * inputs.response_mask)
+
+    with pytest.raises(PluginError, match="surprise.*TypeError"):
+        check_advantage_estimator(surprise)
+    surprise.needs_old_logprobs = True  # the run then computes them, and the check gives them
+    check_advantage_estimator(surprise)
+
+
 def test_pytest_plugin_registers_the_gpu_marker(tmp_path):
     # a plugin's own test suite run with --strict-markers failed to collect a @pytest.mark.gpu test
     (tmp_path / "test_mine.py").write_text(

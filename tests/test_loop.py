@@ -379,6 +379,30 @@ def test_a_run_end_hook_that_raises_does_not_hide_why_the_run_failed(tmp_path, c
     assert any("'tracker'" in r.getMessage() and "miles_run_end" in r.getMessage() for r in caplog.records)
 
 
+def test_an_estimator_that_needs_old_logprobs_gets_them(tmp_path):
+    """By default the trainer's training forward stands in for the old-policy logprobs, so the estimator saw
+    old_logprobs=None; one that reads them (needs_old_logprobs = True) failed every run at its first step."""
+    from miles_core.types import AdvantageOutputs
+
+    seen = []
+
+    def surprise(inputs, cfg):
+        seen.append(inputs.old_logprobs is not None)
+        return AdvantageOutputs((inputs.rewards[:, None] - 0.01 * inputs.old_logprobs) * inputs.response_mask)
+
+    surprise.needs_old_logprobs = True
+
+    class Surprise:
+        @hookimpl
+        def miles_register_advantage_estimators(self, registry):
+            registry.add("surprise", surprise)
+
+    pm = MilesPlugins(autoload=False, extra_plugins=[("surprise", Surprise())])
+    cfg = tiny_config(tmp_path, "run.num_threads=1", "algorithm.advantage_estimator=surprise")
+    summary, _ = run_loop(build(cfg, pm, tmp_path), lambda record: None)
+    assert summary["status"] == "completed" and seen == [True, True]
+
+
 def test_a_step_that_dynamic_sampling_skips_pushes_no_weights(tmp_path):
     """Dynamic sampling keeps no group of step 2 (every reward 0): nothing is trained, so the unchanged weights are
     not pushed again and the version stays; step 3's samples come from step 1's weights (version 1)."""

@@ -50,6 +50,7 @@ class Components:
     trainer_factory: Any
     transport: Any
     teacher: nn.Module | None = None  # on-policy distillation teacher (algorithm.teacher_checkpoint)
+    estimator_needs_old_logprobs: bool = False  # the estimator reads them (``needs_old_logprobs``): never left None
 
 
 def model_source(cfg: MilesConfig) -> str | None:
@@ -188,6 +189,7 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
         trainer_factory=regs.trainers.get(cfg.train.backend, key="train.backend"),
         transport=regs.weight_transports.get(cfg.sync.transport, key="sync.transport")(ctx),
         teacher=teacher,
+        estimator_needs_old_logprobs=getattr(estimator, "needs_old_logprobs", False),
     )
 
 

@@ -132,7 +132,8 @@ def rl_step(c: Components, trainer, aux: AuxModels, samples: list[Sample], metri
     check_rollout_logprobs(c, samples, step)
     batch = make_train_batch(samples, tok.pad_token_id)
     reuse = (cfg.train.old_logprobs == "auto" and cfg.train.updates_per_rollout == 1 and not algo.needs_reference
-             and aux.teacher is None and aux.critic is None and getattr(trainer, "on_policy_old_logprobs", False))
+             and aux.teacher is None and aux.critic is None and not c.estimator_needs_old_logprobs
+             and getattr(trainer, "on_policy_old_logprobs", False))
     with timer("logprobs"):
         batch.old_logprobs = None if reuse else trainer.compute_logprobs(batch)
         if cfg.algorithm.needs_reference:

@@ -54,14 +54,15 @@ async def _awaited(value):
 
 
 def check_advantage_estimator(fn, cfg: AlgorithmConfig | None = None) -> AdvantageOutputs:
-    """An estimator returns [N, T] advantages that are zero on padding."""
+    """An estimator returns [N, T] advantages that are zero on padding. It gets ``old_logprobs`` only if it sets
+    ``fn.needs_old_logprobs = True``: a default run gives it None (the training forward stands in for them)."""
     cfg = cfg or AlgorithmConfig()
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.float32)
     inputs = AdvantageInputs(
         rewards=torch.tensor([1.0, 0.0, 0.5, 0.0]),
         group_ids=torch.tensor([0, 0, 1, 1]),
         response_mask=mask,
-        old_logprobs=torch.full_like(mask, -1.0) * mask,
+        old_logprobs=torch.full_like(mask, -1.0) * mask if getattr(fn, "needs_old_logprobs", False) else None,
     )
     out = checked_estimator(fn, f"advantage estimator {getattr(fn, '__name__', fn)!r}", inputs, cfg)
     assert out.advantages.shape == mask.shape, f"advantages have shape {tuple(out.advantages.shape)}, expected {tuple(mask.shape)}"

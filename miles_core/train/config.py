@@ -27,8 +27,9 @@ class TrainConfig:
     min_lr: float = 0.0  # cosine floor
     updates_per_rollout: int = 1  # optimizer steps per rollout batch (the batch is split evenly)
     # auto: when nothing reads the old-policy logprobs before training (one optimizer step per rollout,
-    # no KL reference, teacher or critic), the training forward's own logprobs, detached, stand in for
-    # them: the same numbers a separate pass would give, one forward pass fewer. recompute: always a pass.
+    # no KL reference, teacher or critic, an estimator without needs_old_logprobs), the training forward's
+    # own logprobs, detached, stand in for them: the same numbers a separate pass would give, one forward
+    # pass fewer. recompute: always a pass.
     old_logprobs: str = "auto"
     sft_warmup_steps: int = 0  # supervised steps on the task's reference answers before RL
     sft_batch_size: int = 64
