@@ -115,19 +115,24 @@ def validate(recipe, overrides, plugin_opts):
 @_plugin_opt
 @user_errors
 def plugins(as_json, plugin_opts):
-    """List the loaded plugins, their versions, hooks and what each registered."""
+    """List the loaded plugins, their versions, hooks and what each registered.
+
+    A plugin that fails to import is reported after the others are listed (exit 2), not instead of them."""
+    from miles_core.errors import PluginError
     from miles_core.observe.view import plugins_table
     from miles_core.plugins.manager import MilesPlugins
 
-    pm = MilesPlugins(blocked=_blocked(plugin_opts))
+    pm = MilesPlugins(blocked=_blocked(plugin_opts), keep_broken=True)
     infos = pm.info()
     if as_json:
         click.echo(json.dumps([i.as_dict() for i in infos], indent=2))
-        return
-    console = Console()
-    console.print(plugins_table(infos))
-    for info in infos:
-        console.print(f"[bold]{info.name}[/] hooks: {', '.join(info.hooks)}")
+    else:
+        console = Console()
+        console.print(plugins_table(infos))
+        for info in infos:
+            console.print(f"[bold]{info.name}[/] hooks: {', '.join(info.hooks)}")
+    if pm.broken:
+        raise PluginError("; ".join(pm.broken.values()))
 
 
 @main.command()

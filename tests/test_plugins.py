@@ -318,6 +318,23 @@ def test_package_plugin_named_like_a_builtin_is_an_error(tmp_path, monkeypatch):
         MilesPlugins(autoload=True)
 
 
+def test_a_plugin_that_fails_to_import_is_listed_by_miles_plugins(tmp_path, cli):
+    # one installed plugin whose import fails stopped every command, miles plugins too: it printed only that error,
+    # so the command that lists what is installed listed nothing, and the error did not say how to run without it
+    import os
+
+    _fake_dist(tmp_path, "hunt_broken", {"broken": "hunt_broken_mod"})
+    (tmp_path / "hunt_broken_mod.py").write_text("import hunt_missing_dependency\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = cli("plugins", "--json", env=env)
+    assert out.returncode == 2
+    assert "miles.tasks" in {p["name"] for p in json.loads(out.stdout)}
+    assert "plugin 'broken' (hunt_broken_mod) failed to import" in out.stderr and "-p no:broken" in out.stderr
+    out = cli("validate", "run.num_rollout=1", env=env)
+    assert out.returncode == 2 and "-p no:broken" in out.stderr and "Traceback" not in out.stderr
+    assert cli("plugins", "-p", "no:broken", env=env).returncode == 0
+
+
 def test_blocking_a_name_no_plugin_has_is_an_error(tmp_path, monkeypatch):
     # -p no:miles.reward (a typo) blocked nothing and the run went on with the plugin it meant to block
     with pytest.raises(PluginError, match="no:miles.reward\\b.*did you mean 'miles.rewards'"):

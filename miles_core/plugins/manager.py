@@ -98,12 +98,16 @@ class MilesPlugins:
         autoload: bool | None = None,
         trace: bool | None = None,
         extra_plugins: Iterable[tuple[str, object]] = (),
+        keep_broken: bool = False,
     ) -> None:
+        """``keep_broken``: a plugin that fails to import is left out and its error kept in ``broken`` (for
+        ``miles plugins``, which lists the others), instead of a PluginError."""
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs.MilesSpecs)
         self.blocked = tuple(blocked)
         self._versions: dict[str, str] = {}
         self._builtin: set[str] = set()
+        self.broken: dict[str, str] = {}  # plugin name -> why it failed to import (keep_broken)
         for name in self.blocked:
             self.pm.set_blocked(name)
         if trace if trace is not None else _env_flag("MILES_TRACE_PLUGINS"):
@@ -112,7 +116,7 @@ class MilesPlugins:
         self._load_builtins()
         autoload = (not _env_flag("MILES_DISABLE_PLUGIN_AUTOLOAD")) if autoload is None else autoload
         if autoload:
-            self._load_entry_points()
+            self._load_entry_points(keep_broken)
         extra_plugins = list(extra_plugins)
         for name, plugin in extra_plugins:
             self.register(plugin, name)
@@ -130,7 +134,7 @@ class MilesPlugins:
             self._versions[name] = __version__
             self._builtin.add(name)
 
-    def _load_entry_points(self) -> None:
+    def _load_entry_points(self, keep_broken: bool) -> None:
         packages: dict[str, str] = {}  # plugin name -> the package that named it
         for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT):
             package = ep.dist.name if ep.dist is not None else ep.value
@@ -146,7 +150,11 @@ class MilesPlugins:
             try:
                 plugin = ep.load()
             except Exception as exc:  # a broken third-party package must say which one it is
-                raise PluginError(f"plugin '{ep.name}' ({ep.value}) failed to import: {exc}") from exc
+                error = f"plugin '{ep.name}' ({ep.value}) failed to import: {exc}; run without it with -p no:{ep.name}"
+                if not keep_broken:
+                    raise PluginError(error) from exc
+                self.broken[ep.name] = error
+                continue
             self.register(plugin, ep.name)
             if ep.dist is not None:
                 self._versions[ep.name] = ep.dist.version
