@@ -55,6 +55,15 @@ def test_estimator_check_gives_old_logprobs_only_as_a_run_does():
     check_advantage_estimator(surprise)
 
 
+def test_loss_check_gives_entropy_as_the_trainers_do():
+    # the torch and Megatron trainers always give the loss the policy's entropy; the check gave None, so a loss
+    # with an entropy bonus (valid in every run) failed its contract check, and ppo_clip's was never exercised
+    def bonus(inputs, cfg):
+        return LossOutput(-inputs.advantages * inputs.logprobs - 0.01 * inputs.entropy, {})
+
+    check_policy_loss(bonus)
+
+
 def test_pytest_plugin_registers_the_gpu_marker(tmp_path):
     # a plugin's own test suite run with --strict-markers failed to collect a @pytest.mark.gpu test
     (tmp_path / "test_mine.py").write_text(

@@ -72,11 +72,13 @@ def check_advantage_estimator(fn, cfg: AlgorithmConfig | None = None) -> Advanta
 
 
 def check_policy_loss(fn, cfg: AlgorithmConfig | None = None) -> LossOutput:
-    """A loss returns a per-token [N, T] loss that has a gradient w.r.t. the logprobs."""
+    """A loss returns a per-token [N, T] loss that has a gradient w.r.t. the logprobs. It gets the entropy, which the
+    built-in trainers always give."""
     cfg = cfg or AlgorithmConfig()
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.float32)
     logp = torch.full((2, 3), -1.0, requires_grad=True)
-    inputs = LossInputs(logp, torch.full((2, 3), -1.1), torch.tensor([[1.0, 1.0, 0], [-1.0, 0, 0]]), mask)
+    inputs = LossInputs(logp, torch.full((2, 3), -1.1), torch.tensor([[1.0, 1.0, 0], [-1.0, 0, 0]]), mask,
+                        entropy=torch.full((2, 3), 0.7) * mask)
     out = checked_loss(fn, cfg, f"policy loss {getattr(fn, '__name__', fn)!r}", inputs)
     assert out.loss.shape == mask.shape, f"loss has shape {tuple(out.loss.shape)}, expected per-token {tuple(mask.shape)}"
     (out.loss * mask).sum().backward()
