@@ -53,7 +53,9 @@ class MilesSpecs:
         its verifier: a score >= 1.0 counts as correct) and may give a reference answer for the
         supervised warm-up (``reference(prompt)``). Selected by ``data.task``. A task that reads
         its prompts from a file may set ``data_fingerprint`` (a dict identifying that file), which a
-        resumed run checks against its checkpoint's.
+        resumed run checks against its checkpoint's. A method that raises (its stream too, when drawn
+        from) stops the run with a PluginError naming the task, the plugin and the method (a
+        :class:`miles_core.errors.MilesUserError`, such as a DataError, is passed on as it is).
         """
 
     @hookspec

@@ -260,6 +260,112 @@ def test_task_factory_estimator_and_loss_that_raise_name_the_plugin(tmp_path):
         c.policy_loss(_loss_inputs())
 
 
+class _FlakyTaskPlugin:
+    """Registers the task 'flaky': the reverse task, whose method ``method`` raises ``error`` (train_prompts when its
+    stream is first drawn from, as a generator's does; ``score_train`` scores the eval prompts and raises on others)."""
+
+    def __init__(self, method: str, error: Exception) -> None:
+        self.method, self.error = method, error
+
+    @hookimpl
+    def miles_register_tasks(self, registry):
+        from miles_core.data.synthetic import ReverseTask
+
+        plugin = self
+
+        class Flaky(ReverseTask):
+            name = "flaky"
+
+            def eval_prompts(self):
+                if plugin.method == "eval_prompts":
+                    raise plugin.error
+                return super().eval_prompts()
+
+            def train_prompts(self, rng):
+                if plugin.method == "train_prompts":
+                    raise plugin.error
+                yield from super().train_prompts(rng)
+
+            def score(self, response, label):
+                if plugin.method == "score" or (plugin.method == "score_train" and label not in {p.label for p in self._eval}):
+                    raise plugin.error
+                return super().score(response, label)
+
+            def reference(self, prompt):
+                if plugin.method == "reference":
+                    raise plugin.error
+                return super().reference(prompt)
+
+        registry.add("flaky", lambda cfg: Flaky(cfg.num_eval))
+
+
+@pytest.mark.parametrize("method,where", [
+    ("eval_prompts", ()),                                    # build's check that there are held-out prompts
+    ("train_prompts", ()),                                   # raised when the stream is first drawn from, at step 1
+    ("reference", ("train.sft_warmup_steps=1",)),            # the warm-up's reference answers
+    ("score", ()),                                           # evaluate, before the reward
+    ("score_train", ("reward.name=exact_match",)),           # rl_step's train_accuracy
+    ("score_train", ("reward.name=exact_match", "run.mode=rollout")),  # rollout_metrics
+])
+def test_a_task_method_that_raises_names_the_task_its_plugin_and_the_method(tmp_path, method, where):
+    # the task factory that raised was one line naming the task and plugin, but the task's own methods that raised
+    # (its score in evaluate and the step's metrics, its prompts, its reference answers) ended the run on a bare
+    # traceback (exit 1) naming neither
+    from miles_core.orchestration.build import build
+    from miles_core.orchestration.loop import run_loop
+    from miles_core.testing.contracts import tiny_config
+
+    pm = MilesPlugins(autoload=False, extra_plugins=[("my-task", _FlakyTaskPlugin(method, ValueError("no luck")))])
+    name = method.removesuffix("_train")
+    with pytest.raises(PluginError, match=rf"^{name} of task 'flaky' \(plugin 'my-task'\) raised ValueError: no luck$"):
+        c = build(tiny_config(tmp_path, "data.task=flaky", "run.num_rollout=1", "run.num_threads=1", *where), pm, tmp_path)
+        run_loop(c, lambda record: None)
+
+
+def test_a_task_s_own_errors_and_its_stream_go_on_as_they_are(tmp_path):
+    # a task that refuses its data with a DataError is already one line: it is not wrapped; the stream drawn through
+    # the task's methods serves the task's own prompts
+    import itertools
+    import random
+
+    from miles_core.data.synthetic import ReverseTask
+    from miles_core.errors import DataError
+
+    plugin = _FlakyTaskPlugin("train_prompts", DataError("data/train.jsonl:3: no 'question'"))
+    c = _built(tmp_path, plugin, "data.task=flaky")
+    with pytest.raises(DataError, match=r"^data/train.jsonl:3: no 'question'$"):
+        next(c.task.train_prompts(random.Random(0)))
+    c = _built(tmp_path, _FlakyTaskPlugin("none", ValueError()), "data.task=flaky")
+    drawn = [(p.text, p.label) for p in itertools.islice(c.task.train_prompts(random.Random(0)), 20)]
+    own = [(p.text, p.label) for p in itertools.islice(ReverseTask(8).train_prompts(random.Random(0)), 20)]
+    assert drawn == own and c.task.name == "flaky" and c.task.score("ab", "ab") == 1.0
+
+
+def test_a_task_method_that_raises_is_one_line_at_the_cli(tmp_path, cli):
+    # miles run: a plugin's task whose training stream raised ended on a traceback with exit 1
+    import os
+
+    _fake_dist(tmp_path, "hunt_flaky", {"flaky": "hunt_flaky_mod"})
+    (tmp_path / "hunt_flaky_mod.py").write_text(
+        "from miles_core.data.synthetic import ReverseTask\n"
+        "from miles_core.hookspecs import hookimpl\n\n"
+        "class Flaky(ReverseTask):\n"
+        "    def train_prompts(self, rng):\n"
+        "        raise KeyError('shard_0')\n"
+        "        yield\n\n"
+        "@hookimpl\n"
+        "def miles_register_tasks(registry):\n"
+        "    registry.add('flaky', lambda cfg: Flaky(cfg.num_eval))\n"
+    )
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = cli("run", "data.task=flaky", "run.num_rollout=1", "data.num_eval=8", "rollout.batch_size=4",
+              "model.hidden_size=32", "model.num_layers=1", "rollout.max_response_len=4", "run.num_threads=1",
+              f"run.output_dir={tmp_path / 'runs'}", env=env)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert "train_prompts of task 'flaky' (plugin 'flaky') raised KeyError: 'shard_0'" in out.stderr
+
+
 def test_kernel_select_must_choose_among_the_candidates():
     from miles_core.kernels.base import Kernels
 

@@ -158,11 +158,13 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
     kernels = Kernels(plugins, platform.name)
     ctx = RunContext(cfg, plugins, tokenizer, device, platform.name, kernels, output_dir)
     task_factory = regs.tasks.get(cfg.data.task, key="data.task")
-    task = plugin_call(_component(regs.tasks, cfg.data.task), task_factory, cfg.data)
+    what = _component(regs.tasks, cfg.data.task)
+    made = plugin_call(what, task_factory, cfg.data)
+    task = PluginTask(made, what)
     if not task.eval_prompts():
         raise ConfigError(f"task '{cfg.data.task}' has no held-out prompts (set data.eval_path)")
     check_resume_data(cfg, task)
-    reward_fn, reward_name = resolve_reward(cfg, plugins, task)
+    reward_fn, reward_name = resolve_reward(cfg, plugins, made)  # reward.name=task: the reward runner names the sample
     model, family = (gguf_model, gguf_family) if gguf is not None else build_model(cfg, plugins, tokenizer)
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"the model's vocab ({model.config.vocab_size}) is smaller than the tokenizer's ({tokenizer.vocab_size})")
@@ -206,6 +208,44 @@ def plugin_call(what: str, fn, *args):
         raise
     except Exception as exc:
         raise PluginError(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+
+class PluginTask:
+    """The task a plugin's factory made, its methods called through plugin_call: one that raises (its score in an eval
+    or a step's metrics, its prompts, its reference answers) is a PluginError naming the task, its plugin and the
+    method, not a bare traceback out of the run. Anything else (``name``, ``data_fingerprint``) is the task's own."""
+
+    def __init__(self, task: Task, what: str) -> None:
+        self._task, self._what = task, what
+
+    def __getattr__(self, name: str):
+        if name == "_task":  # not set yet (a copy being made): not the task's
+            raise AttributeError(name)
+        return getattr(self._task, name)
+
+    def _call(self, method: str, *args):
+        return plugin_call(f"{method} of {self._what}", getattr(self._task, method), *args)
+
+    def eval_prompts(self):
+        return self._call("eval_prompts")
+
+    def score(self, response: str, label: object) -> float:
+        return self._call("score", response, label)
+
+    def reference(self, prompt):
+        return self._call("reference", prompt)
+
+    def train_prompts(self, rng: random.Random):
+        """The task's stream, as it is. A generator's code runs when it is drawn from, not when called, so each prompt
+        is drawn through plugin_call too; the call itself is made here, at once, as the task's own would be."""
+        what = f"train_prompts of {self._what}"
+        return _drawn(what, plugin_call(what, lambda: iter(self._task.train_prompts(rng))))
+
+
+def _drawn(what: str, stream):
+    end = object()
+    while (prompt := plugin_call(what, next, stream, end)) is not end:
+        yield prompt
 
 
 def checked_estimator(fn, what: str, inputs: AdvantageInputs, cfg) -> AdvantageOutputs:
