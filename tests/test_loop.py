@@ -403,6 +403,41 @@ def test_an_estimator_that_needs_old_logprobs_gets_them(tmp_path):
     assert summary["status"] == "completed" and seen == [True, True]
 
 
+def test_a_rollout_source_that_fails_to_close_does_not_hide_why_the_run_failed(tmp_path, caplog, monkeypatch):
+    """The loop's finally closes the rollout source (one_step_off aborts the generation running ahead through the
+    backend, whose engine may be what failed); its error there replaced the run's own, as run_end's did. While the
+    run is failing, the close's error is logged and the run's goes on; after a run that succeeded it is raised."""
+    from miles_core.errors import PluginError
+    from miles_core.orchestration import loop
+
+    make = loop.make_source
+
+    def failing_to_close(*args):
+        source = make(*args)
+
+        def close():
+            raise ConnectionError("engine gone")
+
+        source.close = close
+        return source
+
+    monkeypatch.setattr(loop, "make_source", failing_to_close)
+
+    class FailsInRollout:
+        @hookimpl
+        def miles_after_rollout(self, ctx, step, samples):
+            raise KeyError("samples_table")
+
+    pm = MilesPlugins(autoload=False, extra_plugins=[("table", FailsInRollout())])
+    c = build(tiny_config(tmp_path, "run.num_threads=1", "run.num_rollout=1"), pm, tmp_path)
+    with pytest.raises(PluginError, match="'table'.*samples_table.*miles_after_rollout"):
+        run_loop(c, lambda record: None)
+    assert any("ConnectionError" in r.getMessage() and "engine gone" in r.getMessage() for r in caplog.records)
+    c = build(tiny_config(tmp_path, "run.num_threads=1", "run.num_rollout=1"), MilesPlugins(autoload=False), tmp_path)
+    with pytest.raises(ConnectionError, match="engine gone"):
+        run_loop(c, lambda record: None)
+
+
 def test_a_step_that_dynamic_sampling_skips_pushes_no_weights(tmp_path):
     """Dynamic sampling keeps no group of step 2 (every reward 0): nothing is trained, so the unchanged weights are
     not pushed again and the version stays; step 3's samples come from step 1's weights (version 1)."""

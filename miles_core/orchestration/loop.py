@@ -355,10 +355,22 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
     finally:
         try:
             if source is not None:
-                source.close()
+                close_source(source, failure)
             end_run(ctx, summary, failure)
         finally:
             placement.close()
+
+
+def close_source(source, failure: BaseException | None) -> None:
+    """``source.close()`` (one_step_off aborts the generation running ahead through the backend, whose engine may be
+    what failed). While the run is failing, its error is logged, not raised, as run_end's is (see end_run)."""
+    try:
+        source.close()
+    except Exception as exc:
+        if failure is None:
+            raise
+        log.error("closing the rollout source raised %s: %s; the run had already failed: see the error below",
+                  type(exc).__name__, exc)
 
 
 def end_run(ctx, summary: dict[str, Any], failure: BaseException | None) -> None:
