@@ -13,6 +13,10 @@ response tokens and logprobs across segments; ``metadata["weight_versions"]`` li
 each segment and ``metadata["resumed_at"]`` the response length at each continuation.
 ``Sample.weight_version`` is the oldest segment's version.
 
+Metrics: ``time_generate`` is how long ``get`` waited for its groups (the engine runs meanwhile, not only then), so
+the throughput ``rollout_tok_s`` is the engine's own: the tokens it generated since the previous ``get`` over the
+seconds it spent in its steps (aborted, dropped and still unfinished samples' tokens included).
+
 Staleness: a group whose oldest version is more than ``orchestration.max_staleness`` behind the
 trainer when ``get`` takes it is dropped (``async_dropped_groups``) and new prompts replace it.
 
@@ -63,6 +67,8 @@ class AsyncSchedule:
         self.by_request: dict[str, tuple[list[_Partial], _Partial]] = {}
         self._pause, self._paused, self._resume, self._stop = (threading.Event() for _ in range(4))
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._engine_s, self._engine_tokens = 0.0, 0  # since the last get: seconds in core.step(), tokens it gave
         self._thread = threading.Thread(target=self._run, name="miles-async-rollout", daemon=True)
         self._thread.start()
 
@@ -121,7 +127,12 @@ class AsyncSchedule:
                     continue
                 self._top_up()
                 if self.core.has_unfinished():
-                    self._collect(self.core.step())
+                    t0 = time.perf_counter()
+                    outputs = self.core.step()
+                    with self._lock:
+                        self._engine_s += time.perf_counter() - t0
+                        self._engine_tokens += sum(len(out.new_ids) for out in outputs)
+                    self._collect(outputs)
                 else:
                     time.sleep(0.001)
         except BaseException as exc:  # surfaced by get()
@@ -158,7 +169,12 @@ class AsyncSchedule:
             kept.append(samples)
         out = [s for g in kept for s in g]
         resumed = sum(bool(s.metadata["resumed_at"]) for s in out)
-        return out, {"time_generate": time.perf_counter() - t0, "async_dropped_groups": float(dropped), "async_resumed_samples": float(resumed)}
+        metrics = {"time_generate": time.perf_counter() - t0, "async_dropped_groups": float(dropped), "async_resumed_samples": float(resumed)}
+        with self._lock:
+            if self._engine_s > 0:
+                metrics["rollout_tok_s"] = self._engine_tokens / self._engine_s
+            self._engine_s, self._engine_tokens = 0.0, 0
+        return out, metrics
 
     def before_sync(self) -> None:
         self._pause.set()
