@@ -29,11 +29,17 @@ def _score(c, samples: list[Sample]) -> list[float]:
     return rewards
 
 
-def collect(c, backend, next_prompts: Callable[[int], list[Prompt]], params: SamplingParams) -> tuple[list[Sample], dict[str, float]]:
-    """(samples with ``reward`` set, metrics). Samples of one group stay contiguous."""
+def collect(c, backend, next_prompts: Callable[[int], list[Prompt]], params: SamplingParams,
+            stopped: Callable[[], bool] = lambda: False) -> tuple[list[Sample], dict[str, float]]:
+    """(samples with ``reward`` set, metrics). Samples of one group stay contiguous.
+
+    ``stopped()`` true after a ``generate`` (one_step_off's generation ahead, aborted as the run stops) ends it there:
+    nobody trains on those samples, so they are returned unscored rather than waiting for the reward on each."""
     cfg = c.ctx.config
     want, n = cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt
     samples = backend.generate(next_prompts(want), params, n=n)
+    if stopped():
+        return samples, {}
     _score(c, samples)
     if not cfg.algorithm.dynamic_sampling:
         return samples, _backend_metrics(backend)
@@ -52,6 +58,8 @@ def collect(c, backend, next_prompts: Callable[[int], list[Prompt]], params: Sam
         rate = max(len(kept) / generated, 1.0 / 8)
         ask = min(math.ceil((want - len(kept)) / rate), 8 * want)
         samples = backend.generate(next_prompts(ask), params, n=n)
+        if stopped():
+            return samples, {}
         _score(c, samples)
     out = []
     for gi, group in enumerate(kept[:want]):

@@ -17,6 +17,7 @@ itself took (the loop's ``time_rollout`` is how long it waited for the samples).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -30,9 +31,9 @@ NextPrompts = Callable[[int, int], list[Prompt]]  # (how many, for which step) -
 Result = tuple[list[Sample], dict[str, float]]
 
 
-def _generate(c, backend, next_prompts: NextPrompts, params: SamplingParams, step: int) -> Result:
+def _generate(c, backend, next_prompts: NextPrompts, params: SamplingParams, step: int, stopped=lambda: False) -> Result:
     t0 = time.perf_counter()
-    samples, metrics = collect(c, backend, lambda n: next_prompts(n, step), params)
+    samples, metrics = collect(c, backend, lambda n: next_prompts(n, step), params, stopped)
     return samples, {**metrics, "time_generate": time.perf_counter() - t0}
 
 
@@ -58,6 +59,7 @@ class OneStepOffSchedule(SyncSchedule):
         super().__init__(*args)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-rollout")
         self._ahead: tuple[int, Future] | None = None
+        self._closing = threading.Event()  # set by close: the generation ahead stops without scoring its samples
 
     def get(self, step: int) -> Result:
         if self._ahead is not None and self._ahead[0] == step:
@@ -66,7 +68,8 @@ class OneStepOffSchedule(SyncSchedule):
             result = super().get(step)
         self._ahead = None
         if step < self.last_step:
-            self._ahead = (step + 1, self._pool.submit(_generate, self.c, self.backend, self.next_prompts, self.params, step + 1))
+            self._ahead = (step + 1, self._pool.submit(_generate, self.c, self.backend, self.next_prompts, self.params, step + 1,
+                                                       self._closing.is_set))
         return result
 
     def before_sync(self) -> None:
@@ -75,7 +78,9 @@ class OneStepOffSchedule(SyncSchedule):
 
     def close(self) -> None:
         """A generation still running ahead means the run stops early (an error, Ctrl-C): nobody trains on its
-        samples, so it is aborted rather than waited for (minutes on a real rollout, past a scheduler's grace period)."""
+        samples, so it is aborted rather than waited for (minutes on a real rollout, past a scheduler's grace period),
+        and its samples are not scored (a slow verifier takes seconds a sample)."""
+        self._closing.set()
         abort = getattr(self.backend, "abort_all", None)
         if self._ahead is not None and abort is not None:
             fut = self._ahead[1]

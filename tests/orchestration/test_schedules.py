@@ -98,6 +98,27 @@ def test_one_step_off_stops_without_finishing_the_next_steps_rollout(tmp_path, m
     assert time.monotonic() - t0 < 5.0  # the generation ahead takes about 9 s
 
 
+class StopsAfterTrainingAt:
+    @hookimpl
+    def miles_after_train_step(self, ctx, step, metrics):
+        self.t = time.monotonic()
+        raise KeyboardInterrupt
+
+
+def test_one_step_off_stops_without_scoring_the_aborted_rollout(tmp_path, monkeypatch):
+    # the generation ahead, aborted when the run stops, still had each of its (partial) samples scored by the reward,
+    # one after another, before the run could end: 8 s here with a verifier of 1 s a sample, minutes on a real batch
+    step = EngineCore.step
+    ahead = lambda: threading.current_thread().name.startswith("miles-rollout")  # noqa: E731  the generation ahead
+    monkeypatch.setattr(EngineCore, "step", lambda self: (time.sleep(1.0) if ahead() else None) or step(self))
+    cfg = tiny_config(tmp_path, "run.num_rollout=3", "orchestration.schedule=one_step_off", "rollout.max_response_len=64",
+                      "rollout.temperature=1.0", "reward.name=orch_rewards:slow_ahead")
+    stop = StopsAfterTrainingAt()
+    with pytest.raises(KeyboardInterrupt):
+        _run(cfg, stop)
+    assert time.monotonic() - stop.t < 3.0
+
+
 def test_sync_schedule_is_on_policy(tmp_path):
     rec = Versions()
     _run(tiny_config(tmp_path, "run.num_rollout=3"), rec)
