@@ -2,7 +2,8 @@
 
 The thread keeps up to ``2 * rollout.batch_size`` groups in flight or finished-and-waiting, and
 steps the built-in engine's core without pause. A finished group is scored and queued;
-``get(step)`` takes ``rollout.batch_size`` groups from the queue.
+``get(step)`` takes ``rollout.batch_size`` groups from the queue; once the last step's are taken the thread stops
+and aborts what it has running (nobody would train on it).
 
 At a weight update (``before_sync``) the thread aborts every running request at the next step
 boundary, keeping what each has generated (tokens and per-token logprobs), and waits. The loop
@@ -60,7 +61,7 @@ class AsyncSchedule:
             raise ConfigError("orchestration.schedule=async drives the built-in engine in process: use rollout.backend=builtin, placement=local")
         self.c, self.backend, self.core, self.next_prompts, self.params = c, backend, core, next_prompts, params
         self.want, self.n = cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt
-        self.max_staleness = cfg.orchestration.max_staleness
+        self.max_staleness, self.last_step = cfg.orchestration.max_staleness, last_step
         self.version = backend.weight_version
         self.done: queue.Queue[list[_Partial]] = queue.Queue()
         self.groups: list[list[_Partial]] = []  # in flight
@@ -174,11 +175,14 @@ class AsyncSchedule:
             if self._engine_s > 0:
                 metrics["rollout_tok_s"] = self._engine_tokens / self._engine_s
             self._engine_s, self._engine_tokens = 0.0, 0
+        if step >= self.last_step:  # nobody trains on more samples: stop generating (and drawing prompts) now
+            self._halt()
         return out, metrics
 
     def before_sync(self) -> None:
-        self._pause.set()
-        self._paused.wait()
+        if not self._stop.is_set():  # after the last step's get the thread is gone: the engine is idle already
+            self._pause.set()
+            self._paused.wait()
         if self._error is not None:
             raise self._error
 
@@ -189,9 +193,14 @@ class AsyncSchedule:
         self._resume.set()
 
     def close(self) -> None:
+        self._halt()
+
+    def _halt(self) -> None:
+        """Stop the rollout thread and abort the requests it leaves in the engine (again: a no-op)."""
         self._stop.set()
         self._resume.set()
         self._thread.join(timeout=30)
         for rid in list(self.by_request):
             self.core.abort(rid)
+        self.by_request.clear()
         self.core.step()

@@ -349,3 +349,28 @@ def test_async_rollout_throughput_is_the_engines(tmp_path, monkeypatch):
     _, records = _run(cfg, SlowTraining())
     assert len(records) == 3
     assert all(0 < r["rollout_tok_s"] <= 16 * 8 / 0.015 for r in records), [r["rollout_tok_s"] for r in records]
+
+
+def test_async_rollout_stops_once_the_last_steps_samples_are_taken(tmp_path, monkeypatch):
+    # after the last step's get, the rollout thread went on generating (and drawing prompts, which the final checkpoint
+    # counted as consumed) through the last train step, weight sync, eval and save, for samples nobody trains on
+    taken, late = threading.Event(), []
+    step = EngineCore.step
+
+    def counted(self):
+        if taken.is_set() and threading.current_thread().name == "miles-async-rollout":
+            late.append(1)
+        return step(self)
+
+    class LastRollout:
+        @hookimpl
+        def miles_after_rollout(self, ctx, step, samples):
+            if step == 3:
+                taken.set()
+
+    monkeypatch.setattr(EngineCore, "step", counted)
+    cfg = tiny_config(tmp_path, "run.num_rollout=3", "orchestration.schedule=async", "rollout.max_response_len=24",
+                      "rollout.temperature=1.0")
+    summary, records = _run(cfg, LastRollout(), SlowTraining())
+    assert summary["status"] == "completed" and len(records) == 3
+    assert len(late) == 0
