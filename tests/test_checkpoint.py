@@ -274,3 +274,23 @@ def test_an_exported_model_is_readable_as_the_umask_allows(tmp_path):
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "hf").stat().st_mode) == 0o755
     assert stat.S_IMODE((tmp_path / "hf" / "model.safetensors").stat().st_mode) == 0o644
+
+
+def test_a_quickstart_qwen3_moe_model_is_built_and_exports_to_transformers(tmp_path):
+    """model.family=qwen3_moe without a checkpoint builds a Miles-initialised MoE model from the model.* fields, as
+    llama and qwen3 do (it raised AttributeError: the plain DecoderConfig has no expert fields)."""
+    transformers = pytest.importorskip("transformers")
+    from miles_core.config.loader import load_config
+    from miles_core.data.tokenizer import CharTokenizer
+    from miles_core.models.moe import SparseMoe
+    from miles_core.orchestration.build import build_model
+
+    plugins = MilesPlugins()
+    torch.manual_seed(0)
+    model, family = build_model(load_config(None, ["model.family=qwen3_moe"]), plugins, CharTokenizer())
+    assert family.name == "qwen3_moe" and any(isinstance(m, SparseMoe) for m in model.modules())
+    save_hf_folder(model, family, tmp_path / "ckpt")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", local_files_only=True).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(model.lm_head(model(ids)), hf(ids).logits, rtol=1e-4, atol=1e-5)

@@ -81,9 +81,14 @@ class SparseMoe(nn.Module):
 
 
 class MoeDecoder(Decoder):
-    """:class:`Decoder` whose sparse layers use :class:`SparseMoe` in place of the dense MLP."""
+    """:class:`Decoder` whose sparse layers use :class:`SparseMoe` in place of the dense MLP.
 
-    def __init__(self, cfg: MoeDecoderConfig) -> None:
+    A plain :class:`DecoderConfig` (``model.family=qwen3_moe`` built from the ``model.*`` fields, no checkpoint)
+    gets :class:`MoeDecoderConfig`'s default expert fields."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        if not isinstance(cfg, MoeDecoderConfig):
+            cfg = MoeDecoderConfig(**vars(cfg))
         super().__init__(cfg)
         for i, layer in enumerate(self.model.layers):
             if cfg.is_sparse(i):
