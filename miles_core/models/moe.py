@@ -102,11 +102,13 @@ class MoeFamily(ModelFamily):
     """The Qwen3-MoE model family: the dense fields of :class:`ModelFamily` plus the expert fields."""
 
     def config_from_hf(self, hf: dict[str, Any]) -> MoeDecoderConfig:
+        """A field that config.json lacks takes transformers' ``Qwen3MoeConfig`` default (``num_experts_per_tok`` 8),
+        so that the checkpoint computes what transformers computes."""
         dense = super().config_from_hf(hf)
         return MoeDecoderConfig(
             **vars(dense),
             num_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0),
-            num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
+            num_experts_per_tok=int(hf.get("num_experts_per_tok") or 8),
             moe_intermediate_size=int(hf.get("moe_intermediate_size", dense.intermediate_size)),
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),

@@ -139,3 +139,24 @@ def test_moe_requests_outside_a_group_do_not_reuse_cached_prefixes(tmp_path):
     (again,) = run_all(core, PROMPTS[:1], greedy)
     assert again.num_cached == 0 and again.output_ids == first.output_ids
     assert torch.equal(torch.cat(again.routed_experts), torch.cat(first.routed_experts))
+
+
+def test_a_moe_config_without_num_experts_per_tok_routes_to_transformers_default(tmp_path):
+    """A Qwen3-MoE config.json without ``num_experts_per_tok`` routes each token to transformers' default, 8
+    experts (Miles took 2: other logits, silently)."""
+    import json
+
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, moe_intermediate_size=16, num_experts=8, tie_word_embeddings=False,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    save_random_hf(cfg, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["num_experts_per_tok"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ours = load_miles(tmp_path)
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours.lm_head(ours(ids)), hf(ids).logits, rtol=1e-4, atol=1e-5)
