@@ -152,6 +152,31 @@ def test_unsupported_models_are_refused_clearly(tmp_path):
         core.step()
 
 
+def llama4(path, **over):
+    import transformers as T
+
+    cfg = T.Llama4TextConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=8, intermediate_size=64, intermediate_size_mlp=64, num_local_experts=2,
+                             max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=None, **over)
+    return save_random_hf(cfg, path)
+
+
+@pytest.mark.parametrize("over,reason", [
+    (dict(attention_chunk_size=4), "chunked attention"),  # the chunks reach attention only as its mask
+    (dict(attention_chunk_size=None, floor_scale=2, attn_scale=0.5), "attn_temperature_tuning"),  # positions from HF's cache
+])
+def test_attention_that_depends_on_positions_otherwise_is_refused(tmp_path, over, reason):
+    """Llama 4's chunked attention and query temperature tuning gave other tokens than transformers' (silently):
+    refused at load. Without them, Llama 4 serves with transformers' greedy tokens."""
+    llama4(tmp_path / "r", **over)
+    with pytest.raises(ConfigError, match=reason):
+        load_transformers_model(tmp_path / "r")
+    hf = llama4(tmp_path / "p", attention_chunk_size=None, attn_temperature_tuning=False, floor_scale=2, attn_scale=0.5)
+    core = EngineCore(load_transformers_model(tmp_path / "p"), EngineConfig(block_size=4, decode_steps=3, max_batched_tokens=8))
+    (req,) = run_all(core, [PROMPTS[2]], SamplingParams(max_new_tokens=NEW, temperature=0))
+    assert req.output_ids == hf_greedy(hf, PROMPTS[2])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_transformers_path_on_cuda(tmp_path):

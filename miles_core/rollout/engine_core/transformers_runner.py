@@ -14,8 +14,10 @@ scaling or soft-capping of the logits) is the transformers model's own code.
 Slower than the native families: eager PyTorch, no CUDA graphs, no fused or Triton kernels, no
 CPU decode window; a decode window gathers its rows' K/V once (:class:`~.runner.DecodeWindow`).
 Refused with a clear error: a model whose attention does not go through the interface on every
-layer (e.g. recurrent or hybrid layers), attention logit soft-capping, attention sinks, and K/V
-head shapes that differ from the config's (multi-head latent attention). MoE models run, but their
+layer (e.g. recurrent or hybrid layers), attention logit soft-capping, attention sinks, K/V
+head shapes that differ from the config's (multi-head latent attention), and attention that depends
+on positions other than through rotary embeddings and a sliding window (Llama 4's chunked attention
+and query temperature tuning: :func:`position_dependent_attention`). MoE models run, but their
 routing is not recorded.
 """
 
@@ -98,7 +100,24 @@ def load_transformers_model(path: str | Path) -> nn.Module:
     if getattr(cfg, "attn_logit_softcapping", None):
         raise ConfigError(f"model checkpoint '{path}' ({cfg.model_type}) soft-caps its attention logits, which the engine's "
                           "transformers path does not support")
+    reason = position_dependent_attention(cfg)
+    if reason is not None:
+        raise ConfigError(f"model checkpoint '{path}' ({cfg.model_type}) uses {reason}, which the engine's transformers path "
+                          "does not support")
     return model.eval()
+
+
+def position_dependent_attention(cfg) -> str | None:
+    """What in a transformers config makes attention depend on more than the causal order, a sliding window and
+    the step's ``position_ids``, or None. Such a model computes another function over the paged cache, silently:
+    chunked attention (Llama 4's ``attention_chunk_size``) reaches the attention function only as the
+    ``attention_mask``, which the paged path does not read; Llama 4's ``attn_temperature_tuning`` scales the
+    queries of its NoPE layers by positions the module counts from its HF cache (none here), not the tokens'."""
+    if "chunked_attention" in (getattr(cfg, "layer_types", None) or []):
+        return f"chunked attention (attention_chunk_size {getattr(cfg, 'attention_chunk_size', None)})"
+    if getattr(cfg, "attn_temperature_tuning", False) and 0 in (getattr(cfg, "no_rope_layers", None) or []):
+        return "attention temperature tuning on its NoPE layers (attn_temperature_tuning)"
+    return None
 
 
 def is_transformers_model(model: nn.Module) -> bool:
