@@ -177,6 +177,18 @@ def test_attention_that_depends_on_positions_otherwise_is_refused(tmp_path, over
     assert req.output_ids == hf_greedy(hf, PROMPTS[2])
 
 
+def test_alibi_is_refused_at_load(tmp_path):
+    """Falcon's ALiBi bias travels in the attention mask, which the paged path does not read: its first step failed
+    with an AttributeError from inside transformers; refused at load, naming it."""
+    import transformers as T
+
+    save_random_hf(T.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True,
+                                  bos_token_id=None, eos_token_id=None, pad_token_id=None), tmp_path)
+    with pytest.raises(ConfigError, match="ALiBi"):
+        core = EngineCore(load_transformers_model(tmp_path), EngineConfig(block_size=4))
+        run_all(core, [PROMPTS[0]], SamplingParams(max_new_tokens=2, temperature=0))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_transformers_path_on_cuda(tmp_path):

@@ -17,7 +17,7 @@ Refused with a clear error: a model whose attention does not go through the inte
 layer (e.g. recurrent or hybrid layers), attention logit soft-capping, attention sinks, K/V
 head shapes that differ from the config's (multi-head latent attention), and attention that depends
 on positions other than through rotary embeddings and a sliding window (Llama 4's chunked attention
-and query temperature tuning: :func:`position_dependent_attention`). MoE models run, but their
+and query temperature tuning, ALiBi: :func:`position_dependent_attention`). MoE models run, but their
 routing is not recorded.
 """
 
@@ -112,7 +112,10 @@ def position_dependent_attention(cfg) -> str | None:
     the step's ``position_ids``, or None. Such a model computes another function over the paged cache, silently:
     chunked attention (Llama 4's ``attention_chunk_size``) reaches the attention function only as the
     ``attention_mask``, which the paged path does not read; Llama 4's ``attn_temperature_tuning`` scales the
-    queries of its NoPE layers by positions the module counts from its HF cache (none here), not the tokens'."""
+    queries of its NoPE layers by positions the module counts from its HF cache (none here), not the tokens'; an
+    ALiBi bias (Falcon's ``alibi``) is added to the ``attention_mask`` too."""
+    if getattr(cfg, "alibi", False):
+        return "ALiBi position biases (alibi)"
     if "chunked_attention" in (getattr(cfg, "layer_types", None) or []):
         return f"chunked attention (attention_chunk_size {getattr(cfg, 'attention_chunk_size', None)})"
     if getattr(cfg, "attn_temperature_tuning", False) and 0 in (getattr(cfg, "no_rope_layers", None) or []):
