@@ -78,3 +78,29 @@ def test_megatron_model_matches_transformers(megatron_cpu, model_type):
     hf = convert.split_fused_experts(dict(model.state_dict()))
     for k, v in hf.items():
         assert torch.equal(back[k], v), k
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_moe"])
+def test_the_trainer_s_architecture_of_a_loaded_model_is_its_checkpoint_s(tmp_path, model_type):
+    """train.backend=megatron builds its architecture from the loaded model's config (arch_from_decoder): a Qwen3-MoE
+    checkpoint came out as a dense qwen3 (no experts), and the trainer's weight conversion failed with a KeyError."""
+    from miles_core.models.checkpoint import load_hf_folder
+    from miles_core.plugins.manager import MilesPlugins
+    from miles_core.train.megatron.arch import arch_from_decoder
+
+    hf = hf_model(model_type)
+    hf.save_pretrained(tmp_path)
+    model, _family = load_hf_folder(tmp_path, MilesPlugins().registries.model_families)
+    arch = arch_from_decoder(model.config)
+    assert arch == arch_from_hf(hf.config.to_dict())
+    if arch.is_moe:
+        assert convert.hf_to_megatron(dict(model.state_dict()), arch, VOCAB, 1, 0)
+
+
+def test_a_moe_model_with_dense_layers_is_refused_by_name():
+    from miles_core.errors import ConfigError
+    from miles_core.models.moe import MoeDecoderConfig
+    from miles_core.train.megatron.arch import arch_from_decoder
+
+    with pytest.raises(ConfigError, match="mlp_only_layers"):
+        arch_from_decoder(MoeDecoderConfig(vocab_size=VOCAB, num_layers=2, mlp_only_layers=[1]))

@@ -8,6 +8,7 @@ from typing import Any
 from miles_core.errors import ConfigError
 from miles_core.models import rope
 from miles_core.models.decoder import DecoderConfig
+from miles_core.models.moe import MoeDecoderConfig
 
 SUPPORTED = ("llama", "qwen3", "qwen3_moe")
 
@@ -69,10 +70,18 @@ def arch_from_hf(hf: dict[str, Any]) -> Arch:
 
 
 def arch_from_decoder(cfg: DecoderConfig) -> Arch:
-    """The architecture of Miles' own :class:`~miles_core.models.decoder.Decoder`."""
+    """The architecture of Miles' own :class:`~miles_core.models.decoder.Decoder`, or of a
+    :class:`~miles_core.models.moe.MoeDecoder` (its expert fields; the trainer builds from a loaded model's config,
+    so without them a Qwen3-MoE checkpoint came out dense)."""
     _plain_rope_only(cfg.rope_scaling)
+    model_type, moe = ("qwen3" if cfg.qk_norm else "llama"), {}
+    if isinstance(cfg, MoeDecoderConfig):
+        if cfg.mlp_only_layers or cfg.decoder_sparse_step != 1:
+            raise ConfigError("qwen3_moe checkpoints with dense layers (mlp_only_layers / decoder_sparse_step) are not supported by the Megatron trainer")
+        model_type, moe = "qwen3_moe", dict(num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size,
+                                             moe_topk=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob)
     return Arch(
-        model_type="qwen3" if cfg.qk_norm else "llama",
+        model_type=model_type,
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         num_layers=cfg.num_layers,
@@ -85,6 +94,7 @@ def arch_from_decoder(cfg: DecoderConfig) -> Arch:
         qk_norm=cfg.qk_norm,
         tie_word_embeddings=cfg.tie_word_embeddings,
         max_position_embeddings=cfg.max_position_embeddings,
+        **moe,
     )
 
 
