@@ -18,6 +18,7 @@ from torch import nn
 from miles_core.errors import ConfigError
 from miles_core.models.base import ModelFamily
 from miles_core.models.checkpoint import family_for
+from miles_core.models.moe import split_fused_experts
 from miles_core.plugins.registry import Registry
 
 
@@ -91,7 +92,7 @@ def load_gguf(path: Path, families: Registry) -> tuple[nn.Module, ModelFamily, o
     cfg = hf.config.to_dict()
     family = family_for(cfg, families, path)
     model = family.build(family.config_from_hf(cfg))
-    state = hf.state_dict()
+    state = split_fused_experts(hf.state_dict())  # transformers >= 5 holds MoE experts fused in memory
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -88,3 +88,25 @@ def test_a_truncated_gguf_file_is_refused_by_name(tmp_path):
     cut.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 5))  # version 3, no tensors, 5 metadata entries that are not there
     with pytest.raises(ConfigError, match=f"GGUF file '{cut}': transformers cannot load it"):
         load_gguf(cut, MilesPlugins().registries.model_families)
+
+
+def test_a_qwen3_moe_gguf_maps_onto_the_family(tmp_path, monkeypatch):
+    """transformers >= 5 keeps a Qwen3-MoE's experts fused in memory (``mlp.experts.gate_up_proj``), whatever file it
+    read; load_gguf mapped that state dict onto the family's per-expert layout as it was and refused every MoE GGUF
+    ("does not map onto family 'qwen3_moe'"). Here transformers' GGUF reader is stood in for by the model it builds."""
+    pytest.importorskip("gguf")
+    import transformers
+    from helpers import make_hf_model
+
+    from miles_core.models.gguf import load_gguf
+    from miles_core.plugins.manager import MilesPlugins
+
+    hf = make_hf_model("qwen3_moe", tmp_path / "hf")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: hf)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
+    (tmp_path / "model.gguf").write_bytes(b"")
+    model, family, _tok = load_gguf(tmp_path / "model.gguf", MilesPlugins().registries.model_families)
+    assert family.name == "qwen3_moe"
+    ids = torch.randint(0, 96, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(model.lm_head(model(ids)), hf(ids).logits, rtol=1e-4, atol=1e-5)

@@ -29,29 +29,10 @@ import re
 import torch
 
 from miles_core.errors import ConfigError
+from miles_core.models.moe import split_fused_experts
 from miles_core.train.megatron.arch import Arch
 
 _EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
-
-
-def split_fused_experts(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers >= 5 keeps Qwen3-MoE experts fused in memory (``experts.gate_up_proj``
-    [E, 2I, H], ``experts.down_proj`` [E, H, I]); return the per-expert checkpoint layout."""
-    out = {}
-    for name, t in hf.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base = name[: -len("gate_up_proj")]
-            for j in range(t.shape[0]):
-                gate, up = t[j].chunk(2, dim=0)
-                out[f"{base}{j}.gate_proj.weight"] = gate
-                out[f"{base}{j}.up_proj.weight"] = up
-        elif name.endswith("mlp.experts.down_proj"):
-            base = name[: -len("down_proj")]
-            for j in range(t.shape[0]):
-                out[f"{base}{j}.down_proj.weight"] = t[j]
-        else:
-            out[name] = t
-    return out
 
 
 def _vocab_shard(w: torch.Tensor, vocab_padded: int, tp: int, rank: int) -> torch.Tensor:
