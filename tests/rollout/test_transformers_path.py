@@ -90,6 +90,24 @@ def test_the_sliding_window_is_applied(tmp_path):
     assert run_all(core, PROMPTS, SamplingParams(max_new_tokens=NEW, temperature=0))[2].output_ids == hf_greedy(windowed, prompt)
 
 
+def test_a_sliding_window_the_model_does_not_pass_to_attention_is_applied(tmp_path):
+    """Qwen2-MoE keeps its sliding layers' window on the attention module (``sliding_window``) and applies it through
+    the mask only, not the attention call's keyword: the engine attended over the whole context (other tokens)."""
+    import transformers as T
+
+    cfg = T.Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4,
+                           num_experts_per_tok=2, use_sliding_window=True, sliding_window=4, max_window_layers=2,
+                           max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    assert "sliding_attention" in cfg.layer_types and "full_attention" in cfg.layer_types
+    hf = save_random_hf(cfg, tmp_path)
+    core = EngineCore(load_transformers_model(tmp_path), EngineConfig(block_size=4, decode_steps=3, max_batched_tokens=8))
+    reqs = run_all(core, PROMPTS, SamplingParams(max_new_tokens=NEW, temperature=0))
+    for prompt, req in zip(PROMPTS, reqs):
+        assert req.output_ids == hf_greedy(hf, prompt)
+        assert torch.allclose(torch.tensor(req.logprobs), hf_logprobs(hf, prompt, req.output_ids), atol=1e-5, rtol=0)
+
+
 def test_engine_features_on_the_transformers_path(tmp_path):
     hf = make_model("qwen2", tmp_path / "a")
     core = EngineCore(load_transformers_model(tmp_path / "a"), EngineConfig(block_size=4, decode_steps=2, kv_tokens_cpu=1024))

@@ -52,11 +52,15 @@ class PagedStep:
 
 def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                            sliding_window: int | None = None, softcap: float | None = None,
-                            miles_step: PagedStep | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                            softcap: float | None = None, miles_step: PagedStep | None = None,
+                            **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: ``query`` [1, H, N, D], ``key``/``value`` [1, Hk, N, D]
-    -> (output [1, N, H, D], no weights). ``attention_mask`` is unused: positions come from the step."""
+    -> (output [1, N, H, D], no weights). ``attention_mask`` is unused: positions come from the step.
+
+    The sliding window is the call's ``sliding_window`` keyword; a model that does not pass one (Qwen2-MoE) keeps
+    its sliding layers' window on the module and applies it through the mask alone, so the module's is taken."""
     step = miles_step
+    sliding_window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     if step is None:  # called outside the engine, or the model's layers drop their keyword arguments
         raise ConfigError(f"model '{getattr(getattr(module, 'config', None), 'model_type', '?')}': its attention was called without "
                           "the engine's paged-cache step (its layers do not pass keyword arguments down to attention), so the "
