@@ -189,14 +189,18 @@ def test_on_policy_old_logprobs_from_the_training_forward(tmp_path):
         torch.testing.assert_close(w_auto[k], w_full[k], rtol=1e-5, atol=1e-6)
 
 
+def _dense_reward(tmp_path, monkeypatch) -> None:
+    """reward.name=dense_reward:digit_share: the share of digits in the response, a reward that varies within groups."""
+    (tmp_path / "dense_reward.py").write_text(
+        "def digit_share(sample):\n    return sum(ch.isdigit() for ch in sample.response) / max(len(sample.response), 1)\n")
+    monkeypatch.chdir(tmp_path)
+
+
 def test_several_updates_per_rollout_are_off_policy_after_the_first(tmp_path, monkeypatch):
     """train.updates_per_rollout=2 splits each step's batch into two disjoint halves, one optimizer step each; the
     old logprobs are the rollout policy's for both, so the first half trains on-policy (approx KL 0) and the
     second, after one update, off-policy (approx KL > 0, the PPO ratio at work), with old_logprobs=auto as well."""
-    # a dense reward (the share of digits in the response), so that every group has nonzero advantages
-    (tmp_path / "dense_reward.py").write_text(
-        "def digit_share(sample):\n    return sum(ch.isdigit() for ch in sample.response) / max(len(sample.response), 1)\n")
-    monkeypatch.chdir(tmp_path)
+    _dense_reward(tmp_path, monkeypatch)  # every group has nonzero advantages
     cfg = tiny_config(tmp_path, "train.updates_per_rollout=2", "train.old_logprobs=auto", "run.num_rollout=2", "train.lr=0.01",
                       "rollout.temperature=1.0", "rollout.max_response_len=6", "reward.name=dense_reward:digit_share")
     c = build(cfg, MilesPlugins(autoload=False), tmp_path)
@@ -589,9 +593,7 @@ def test_several_updates_per_rollout_log_the_mean_of_their_metrics(tmp_path, mon
         return out
 
     monkeypatch.setattr(Critic, "train_step", critic_step)
-    (tmp_path / "dense_reward.py").write_text(  # nonzero advantages, so that the two updates' metrics differ
-        "def digit_share(sample):\n    return sum(ch.isdigit() for ch in sample.response) / max(len(sample.response), 1)\n")
-    monkeypatch.chdir(tmp_path)
+    _dense_reward(tmp_path, monkeypatch)  # nonzero advantages, so that the two updates' metrics differ
     cfg = tiny_config(tmp_path, "train.updates_per_rollout=2", "run.num_rollout=1", "train.lr=0.01", "rollout.temperature=1.0",
                       "rollout.max_response_len=6", "reward.name=dense_reward:digit_share", "algorithm.advantage_estimator=ppo")
     c = build(cfg, MilesPlugins(autoload=False), tmp_path)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from miles_core.data.jsonl import file_fingerprint
 from miles_core.errors import ConfigError, DataError
 from miles_core.models.checkpoint import fsync_dir, fsync_tree, replace_dir, restore_moved_aside
 from miles_core.train.distributed import barrier, current
@@ -192,8 +193,6 @@ def sft_data_fingerprint(data_cfg, task) -> dict | None:
     """What an SFT run's example stream is made from: ``data.train_path``'s bytes when it reads (prompt, response)
     pairs from it, else the task's data (its reference answers)."""
     if data_cfg.train_path:
-        from miles_core.data.jsonl import file_fingerprint
-
         return file_fingerprint(data_cfg.train_path)
     return getattr(task, "data_fingerprint", None)
 

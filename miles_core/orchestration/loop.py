@@ -274,7 +274,6 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             ctx.plugins.after_weight_sync(ctx, version)
         if resume is None and trainer is not None:
             trainer.reset_reference()  # the KL reference is the policy as RL starts (after warm-up)
-        if resume is None and trainer is not None:
             aux = build_aux_models(c, trainer)
 
         def next_prompts(n: int, step: int) -> list[Prompt]:
@@ -357,30 +356,20 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
     finally:
         try:
             if source is not None:
-                close_source(source, failure)
-            end_run(ctx, summary, failure)
+                after_failure(source.close, failure, "closing the rollout source")
+            after_failure(lambda: ctx.plugins.run_end(ctx, summary), failure, "run_end")
         finally:
             placement.close()
 
 
-def close_source(source, failure: BaseException | None) -> None:
-    """``source.close()`` (one_step_off aborts the generation running ahead through the backend, whose engine may be
-    what failed). While the run is failing, its error is logged, not raised, as run_end's is (see end_run)."""
+def after_failure(fn, failure: BaseException | None, what: str) -> None:
+    """``fn()``, a cleanup in the loop's ``finally`` (the schedule's close: one_step_off aborts the generation running
+    ahead through the backend, whose engine may be what failed; miles_run_end, a plugin's). While the run is failing
+    (``failure``), an error here is logged, not raised: raised from ``finally`` it would replace the run's own, and the
+    CLI's one line would name the cleanup instead."""
     try:
-        source.close()
+        fn()
     except Exception as exc:
         if failure is None:
             raise
-        log.error("closing the rollout source raised %s: %s; the run had already failed: see the error below",
-                  type(exc).__name__, exc)
-
-
-def end_run(ctx, summary: dict[str, Any], failure: BaseException | None) -> None:
-    """miles_run_end. While the run is failing (``failure``), a plugin's error here is logged, not raised: raised from
-    the loop's ``finally`` it would replace the run's own error, and the CLI's one line would name run_end instead."""
-    try:
-        ctx.plugins.run_end(ctx, summary)
-    except Exception as exc:
-        if failure is None:
-            raise
-        log.error("%s; the run had already failed: see the error below", exc)
+        log.error("%s raised %s: %s; the run had already failed: see the error below", what, type(exc).__name__, exc)

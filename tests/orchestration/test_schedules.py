@@ -77,19 +77,25 @@ def test_one_step_off_samples_are_exactly_one_version_behind(tmp_path):
 
 
 class StopsAfterTraining:
-    """Ctrl-C (or an error) while step 1 trains."""
+    """Ctrl-C (or an error) while step 1 trains; ``t`` is when."""
 
     @hookimpl
     def miles_after_train_step(self, ctx, step, metrics):
+        self.t = time.monotonic()
         raise KeyboardInterrupt
+
+
+def _slow_generation_ahead(monkeypatch) -> None:
+    """Each engine step of one_step_off's generation ahead (its rollout thread) takes 1 s more."""
+    step = EngineCore.step
+    ahead = lambda: threading.current_thread().name.startswith("miles-rollout")  # noqa: E731
+    monkeypatch.setattr(EngineCore, "step", lambda self: (time.sleep(1.0) if ahead() else None) or step(self))
 
 
 def test_one_step_off_stops_without_finishing_the_next_steps_rollout(tmp_path, monkeypatch):
     # the run stops (Ctrl-C, SIGTERM, an error) while step 2's samples are being generated ahead: closing the schedule
     # waited for that whole generation, whose samples nobody will train on (minutes, on a real rollout)
-    step = EngineCore.step
-    ahead = lambda: threading.current_thread().name.startswith("miles-rollout")  # noqa: E731  the generation ahead
-    monkeypatch.setattr(EngineCore, "step", lambda self: (time.sleep(1.0) if ahead() else None) or step(self))
+    _slow_generation_ahead(monkeypatch)
     cfg = tiny_config(tmp_path, "run.num_rollout=3", "orchestration.schedule=one_step_off", "orchestration.deterministic=true",
                       "rollout.max_response_len=64", "rollout.temperature=1.0")
     t0 = time.monotonic()
@@ -98,22 +104,13 @@ def test_one_step_off_stops_without_finishing_the_next_steps_rollout(tmp_path, m
     assert time.monotonic() - t0 < 5.0  # the generation ahead takes about 9 s
 
 
-class StopsAfterTrainingAt:
-    @hookimpl
-    def miles_after_train_step(self, ctx, step, metrics):
-        self.t = time.monotonic()
-        raise KeyboardInterrupt
-
-
 def test_one_step_off_stops_without_scoring_the_aborted_rollout(tmp_path, monkeypatch):
     # the generation ahead, aborted when the run stops, still had each of its (partial) samples scored by the reward,
     # one after another, before the run could end: 8 s here with a verifier of 1 s a sample, minutes on a real batch
-    step = EngineCore.step
-    ahead = lambda: threading.current_thread().name.startswith("miles-rollout")  # noqa: E731  the generation ahead
-    monkeypatch.setattr(EngineCore, "step", lambda self: (time.sleep(1.0) if ahead() else None) or step(self))
+    _slow_generation_ahead(monkeypatch)
     cfg = tiny_config(tmp_path, "run.num_rollout=3", "orchestration.schedule=one_step_off", "rollout.max_response_len=64",
                       "rollout.temperature=1.0", "reward.name=orch_rewards:slow_ahead")
-    stop = StopsAfterTrainingAt()
+    stop = StopsAfterTraining()
     with pytest.raises(KeyboardInterrupt):
         _run(cfg, stop)
     assert time.monotonic() - stop.t < 3.0
