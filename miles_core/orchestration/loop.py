@@ -314,18 +314,24 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             # no samples (dynamic sampling kept no group): rl_step took no optimizer step, so there are no new weights
             # to push and no new version; the engine goes on with the ones it holds
             trained = trainer is not None and bool(samples)
+            eval_due = backend is not None and (step % cfg.run.eval_every == 0 or step == cfg.run.num_rollout)
+            # the engine is idle from before_sync to after_sync (async: its running requests are cut, to be continued),
+            # so only for a weight push or an eval: run.mode=rollout's steps go on generating between them
+            pause = trained or eval_due
             with timer("sync"):
-                source.before_sync()  # the engine is idle from here to after_sync
+                if pause:
+                    source.before_sync()
                 if trained:
                     version += 1
                     if backend is not None:
                         c.transport.push(trainer.weights(), version, backend)
             if trained:
                 ctx.plugins.after_weight_sync(ctx, version)
-            if backend is not None and (step % cfg.run.eval_every == 0 or step == cfg.run.num_rollout):
+            if eval_due:
                 with timer("eval"):
                     metrics.update(evaluate(c, backend, eval_prompts))
-            source.after_sync(version)
+            if pause:
+                source.after_sync(version)
             record = {"phase": "rl", "step": step, "weight_version": version, **metrics, **timer.times}
             record["time_step"] = time.perf_counter() - t0
             history.append(record)

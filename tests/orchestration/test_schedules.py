@@ -327,6 +327,24 @@ def test_async_partial_rollouts_are_continued_within_the_staleness_bound(tmp_pat
     assert resumed > 0  # some samples were cut by a weight update and continued with newer weights
 
 
+def test_async_rollout_mode_does_not_cut_requests_between_steps(tmp_path, monkeypatch):
+    """run.mode=rollout pushes no weights: the async schedule was still paused after every step (the loop's weight-sync
+    point), which aborted every running request and continued it as a new one, so the saved samples came in pieces
+    (metadata resumed_at) for no update. Only an eval needs the engine idle; here there is one, after the last step."""
+    step = EngineCore.step
+    monkeypatch.setattr(EngineCore, "step", lambda self: time.sleep(0.015) or step(self))
+    cfg = tiny_config(tmp_path, "run.mode=rollout", "run.num_rollout=3", "run.eval_every=100", "orchestration.schedule=async",
+                      "rollout.max_response_len=24", "rollout.temperature=1.0")
+    c = build(cfg, MilesPlugins(autoload=False, extra_plugins=[("partials", rec := Partials())]), tmp_path / "out")
+    c.trainer_factory = None
+    records = []
+    summary, _ = run_loop(c, records.append)
+    assert summary["status"] == "completed" and sorted(rec.steps) == [1, 2, 3]
+    rows = [row for step_rows in rec.steps.values() for row in step_rows]
+    assert len(rows) == 24 and all(resumed_at == [] and versions == [0] for _, versions, resumed_at, _, _ in rows)
+    assert [r["async_resumed_samples"] for r in records if r["step"] > 0] == [0.0, 0.0, 0.0]
+
+
 class SlowTraining:
     """A train step that takes 0.5 s: the async rollout fills its queue meanwhile."""
 
