@@ -108,6 +108,25 @@ def test_a_sliding_window_the_model_does_not_pass_to_attention_is_applied(tmp_pa
         assert torch.allclose(torch.tensor(req.logprobs), hf_logprobs(hf, prompt, req.output_ids), atol=1e-5, rtol=0)
 
 
+def test_a_sliding_window_only_in_the_config_is_applied(tmp_path):
+    """PhiMoE applies ``config.sliding_window`` through its mask alone: neither the attention call nor the module
+    carries it, so the engine attended over the whole context (other tokens than transformers' own)."""
+    import transformers as T
+
+    def phimoe(window):
+        return T.PhimoeConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=window,
+                              max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+    hf = save_random_hf(phimoe(4), tmp_path / "w")
+    assert hf_greedy(hf, PROMPTS[2]) != hf_greedy(save_random_hf(phimoe(None), tmp_path / "f"), PROMPTS[2])  # the window matters
+    core = EngineCore(load_transformers_model(tmp_path / "w"), EngineConfig(block_size=4, decode_steps=3, max_batched_tokens=8))
+    reqs = run_all(core, PROMPTS, SamplingParams(max_new_tokens=NEW, temperature=0))
+    for prompt, req in zip(PROMPTS, reqs):
+        assert req.output_ids == hf_greedy(hf, prompt)
+        assert torch.allclose(torch.tensor(req.logprobs), hf_logprobs(hf, prompt, req.output_ids), atol=1e-5, rtol=0)
+
+
 def test_engine_features_on_the_transformers_path(tmp_path):
     hf = make_model("qwen2", tmp_path / "a")
     core = EngineCore(load_transformers_model(tmp_path / "a"), EngineConfig(block_size=4, decode_steps=2, kv_tokens_cpu=1024))

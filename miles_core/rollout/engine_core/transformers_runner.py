@@ -58,7 +58,8 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     -> (output [1, N, H, D], no weights). ``attention_mask`` is unused: positions come from the step.
 
     The sliding window is the call's ``sliding_window`` keyword; a model that does not pass one (Qwen2-MoE) keeps
-    its sliding layers' window on the module and applies it through the mask alone, so the module's is taken."""
+    its sliding layers' window on the module and applies it through the mask alone, so the module's is taken (PhiMoE
+    keeps it in its config only: :func:`load_transformers_model` puts it on the modules)."""
     step = miles_step
     sliding_window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     if step is None:  # called outside the engine, or the model's layers drop their keyword arguments
@@ -108,7 +109,17 @@ def load_transformers_model(path: str | Path) -> nn.Module:
     if reason is not None:
         raise ConfigError(f"model checkpoint '{path}' ({cfg.model_type}) uses {reason}, which the engine's transformers path "
                           "does not support")
+    window = getattr(cfg, "sliding_window", None)
+    if cfg.model_type in CONFIG_ONLY_WINDOW and window:
+        for module in model.modules():  # the attention modules: where paged_attention_forward looks for a window
+            if getattr(module, "layer_idx", None) is not None:
+                module.sliding_window = window
     return model.eval()
+
+
+# models that apply ``config.sliding_window`` (to every layer) through their attention mask alone: neither the
+# attention call nor the module carries it, so the loader puts it on the module
+CONFIG_ONLY_WINDOW = frozenset({"phimoe"})
 
 
 def position_dependent_attention(cfg) -> str | None:
