@@ -40,11 +40,15 @@ def _fmt(record: dict[str, Any], key: str, fmt: str) -> str:
 
 
 class LiveView:
-    """A live table of the last steps and a progress bar on a terminal; one line per step otherwise."""
+    """A live table of the last steps and a progress bar on a terminal; one line per step otherwise.
 
-    def __init__(self, console: Console, total_steps: int, warmup_steps: int, keep: int = 12) -> None:
+    ``phase`` is the phase of the run's own steps (``sft`` for run.mode=sft); the records of another (an RL run's SFT
+    warm-up) advance the warm-up bar."""
+
+    def __init__(self, console: Console, total_steps: int, warmup_steps: int, keep: int = 12, phase: str = "rl") -> None:
         self.console = console
         self.warmup_steps = warmup_steps
+        self.phase = phase
         self.rows: list[dict[str, Any]] = []
         self.keep = keep
         self.progress = Progress(
@@ -52,7 +56,7 @@ class LiveView:
             console=console,
         )
         self.warm_task = self.progress.add_task("sft warm-up", total=warmup_steps, visible=warmup_steps > 0)
-        self.rl_task = self.progress.add_task("rl steps", total=total_steps)
+        self.rl_task = self.progress.add_task(f"{phase} steps", total=total_steps)
         self.live = Live(self._render(), console=console, refresh_per_second=4) if console.is_terminal else None
 
     def _table(self) -> Table:
@@ -76,7 +80,7 @@ class LiveView:
             self.live.__exit__(*exc)
 
     def update(self, record: dict[str, Any]) -> None:
-        if record.get("phase") == "sft":
+        if record.get("phase") != self.phase:
             self.progress.advance(self.warm_task)
             step = record["step"]
             if not self.live and (step == 1 or step % 20 == 0 or step == self.warmup_steps):

@@ -60,7 +60,8 @@ def run(cfg: MilesConfig, plugins: MilesPlugins, console: Console | None = None)
         view.update(record)
 
     try:
-        with LiveView(console, cfg.run.num_rollout, cfg.train.sft_warmup_steps) as view:
+        sft = cfg.run.mode == "sft"  # its steps are SFT steps, and it has no warm-up
+        with LiveView(console, cfg.run.num_rollout, 0 if sft else cfg.train.sft_warmup_steps, phase="sft" if sft else "rl") as view:
             summary, trainer = run_loop(c, on_metrics)
     finally:
         log.close()
