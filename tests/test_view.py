@@ -38,3 +38,17 @@ def test_miles_run_in_sft_mode_logs_its_steps(tmp_path):
     run(tiny_config(tmp_path, "run.mode=sft", "run.num_rollout=2"), MilesPlugins(autoload=False), Console(file=buf, width=300))
     steps = [line.split(" | ")[0] for line in buf.getvalue().splitlines() if line.startswith("step ")]
     assert steps == ["step 0", "step 1", "step 2"] and "warm-up" not in buf.getvalue()
+
+
+def test_a_resumed_run_s_bar_counts_the_steps_it_had_done():
+    """A run resumed after step 5 of 10 ended at '5/10' (the bar counted this process's steps from 0), its time left
+    estimated for 10 steps when 5 remained, beside a warm-up bar at '0/4' (a resumed run skips its warm-up)."""
+    view = LiveView(Console(file=io.StringIO(), force_terminal=True), 10, 4)
+    with view:
+        view.update({"phase": "rl", "step": 6, "reward_mean": 0.5})
+        task = view.progress.tasks[view.rl_task]
+        assert (task.completed, task.remaining) == (6, 4)
+        assert [t.description for t in view.progress.tasks if t.visible] == ["rl steps"]
+        for s in range(7, 11):
+            view.update({"phase": "rl", "step": s, "reward_mean": 0.5})
+    assert task.completed == 10 and task.finished

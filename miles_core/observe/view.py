@@ -50,6 +50,7 @@ class LiveView:
         self.warmup_steps = warmup_steps
         self.phase = phase
         self.rows: list[dict[str, Any]] = []
+        self.stepped = False  # a step of the run's own (not its step-0 eval) was shown
         self.keep = keep
         self.progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
@@ -88,6 +89,10 @@ class LiveView:
         else:
             self.rows.append(record)
             if record["step"] > 0:
+                if not self.stepped and record["step"] > 1:  # a resumed run: the steps before its first were done
+                    self.progress.reset(self.rl_task, completed=record["step"] - 1)
+                    self.progress.update(self.warm_task, visible=False)  # and it skips the warm-up
+                self.stepped = True
                 self.progress.advance(self.rl_task)
             if not self.live:
                 parts = [f"{title} {_fmt(record, key, fmt)}" for title, key, fmt in COLUMNS if record.get(key) is not None]
