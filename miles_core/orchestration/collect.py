@@ -10,6 +10,7 @@ rounds have run. Kept samples get fresh consecutive group ids and indices.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 
 from miles_core.algorithms.dapo import informative_groups, overlong_penalty
@@ -37,12 +38,24 @@ def collect(c, backend, next_prompts: Callable[[int], list[Prompt]], params: Sam
     nobody trains on those samples, so they are returned unscored rather than waiting for the reward on each."""
     cfg = c.ctx.config
     want, n = cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt
-    samples = backend.generate(next_prompts(want), params, n=n)
+    engine = [0, 0.0]  # tokens generated, seconds in generate: the throughput is the engine's, not the rewards'
+
+    def generate(prompts: list[Prompt]) -> list[Sample]:
+        t0 = time.perf_counter()
+        out = backend.generate(prompts, params, n=n)
+        engine[1] += time.perf_counter() - t0
+        engine[0] += sum(len(s.response_ids) for s in out)  # dropped groups' too: the engine generated them
+        return out
+
+    def throughput() -> dict[str, float]:
+        return {"rollout_tok_s": engine[0] / engine[1]} if engine[1] > 0 else {}
+
+    samples = generate(next_prompts(want))
     if stopped():
         return samples, {}
     _score(c, samples)
     if not cfg.algorithm.dynamic_sampling:
-        return samples, _backend_metrics(backend)
+        return samples, {**throughput(), **_backend_metrics(backend)}
     kept: list[list[Sample]] = []
     generated = rounds = 0
     while True:
@@ -57,7 +70,7 @@ def collect(c, backend, next_prompts: Callable[[int], list[Prompt]], params: Sam
         rounds += 1
         rate = max(len(kept) / generated, 1.0 / 8)
         ask = min(math.ceil((want - len(kept)) / rate), 8 * want)
-        samples = backend.generate(next_prompts(ask), params, n=n)
+        samples = generate(next_prompts(ask))
         if stopped():
             return samples, {}
         _score(c, samples)
@@ -70,6 +83,7 @@ def collect(c, backend, next_prompts: Callable[[int], list[Prompt]], params: Sam
         "dynamic_sampling_rounds": float(rounds),
         "dynamic_sampling_kept_groups": float(min(len(kept), want)),
         "dynamic_sampling_generated_groups": float(generated),
+        **throughput(),
         **_backend_metrics(backend),
     }
     return out, metrics

@@ -177,10 +177,6 @@ def rl_step(c: Components, trainer, aux: AuxModels, samples: list[Sample], metri
         train_accuracy=sum(c.task.score(s.response, s.label) >= 1.0 for s in samples) / len(samples),
         response_len=n_tokens / len(samples),
     )
-    # saved rollouts (run.load_rollouts) were not generated: no throughput; the async schedule measures its engine's own
-    # (its samples were generated while earlier steps trained, not while the loop waited for them)
-    if metrics.get("time_generate", 0.0) > 0 and "rollout_tok_s" not in metrics:
-        metrics["rollout_tok_s"] = n_tokens / metrics["time_generate"]
     return metrics
 
 

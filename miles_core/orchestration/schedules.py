@@ -11,8 +11,10 @@
 * ``async``: continuous rollout with partial rollouts (:mod:`miles_core.orchestration.async_rollout`).
 * ``LoadedRollouts``: train-only debug mode, steps read from ``--load-rollouts DIR``.
 
-Every source returns ``(samples, metrics)`` with ``time_generate``: the seconds the generation
-itself took (the loop's ``time_rollout`` is how long it waited for the samples).
+Every source returns ``(samples, metrics)`` with ``time_generate``: the seconds the generation and
+the scoring took (the loop's ``time_rollout`` is how long it waited for the samples), and, where an
+engine generated them, ``rollout_tok_s``: the tokens it generated (those of groups dynamic sampling
+dropped included) over the seconds it spent generating, not scoring; saved rollouts have none.
 """
 
 from __future__ import annotations

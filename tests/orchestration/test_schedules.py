@@ -389,3 +389,45 @@ def test_async_rollout_stops_once_the_last_steps_samples_are_taken(tmp_path, mon
     summary, records = _run(cfg, LastRollout(), SlowTraining())
     assert summary["status"] == "completed" and len(records) == 3
     assert len(late) == 0
+
+
+class SlowParityReward:
+    """A reward that takes 50 ms a sample (a verifier), 1 for responses with an odd token sum: groups differ, mostly."""
+
+    @hookimpl
+    def miles_register_rewards(self, registry):
+        registry.add("slow_parity", lambda s: time.sleep(0.05) or float(sum(s.response_ids) % 2))
+
+
+def test_rollout_throughput_is_the_generated_tokens_over_the_generation(tmp_path):
+    """rollout_tok_s was the kept samples' tokens over the generation and the scoring: a slow reward made the engine
+    look several times slower, and the groups dynamic sampling dropped (generated all the same) did not count."""
+    cfg = tiny_config(tmp_path, "run.num_rollout=2", "reward.name=slow_parity", "algorithm.dynamic_sampling=true",
+                      "rollout.temperature=1.0", "rollout.max_response_len=12")
+    c = build(cfg, MilesPlugins(autoload=False, extra_plugins=[("reward", SlowParityReward())]), None)
+    generated = {}  # step -> [tokens, seconds] of its rollout's generate calls
+    make = c.backend_factory
+
+    def factory(*args):
+        backend = make(*args)
+        inner = backend.generate
+
+        def generate(prompts, params, n=1):
+            t0 = time.perf_counter()
+            out = inner(prompts, params, n=n)
+            step = prompts[0].metadata.get("step")  # the eval's prompts have none
+            if step is not None:
+                seen = generated.setdefault(step, [0, 0.0])
+                seen[0] += sum(len(s.response_ids) for s in out)
+                seen[1] += time.perf_counter() - t0
+            return out
+
+        backend.generate = generate
+        return backend
+
+    c.backend_factory = factory
+    records = []
+    run_loop(c, records.append)
+    for r in (r for r in records if r["step"] > 0):
+        tokens, seconds = generated[r["step"]]
+        assert r["rollout_tok_s"] == pytest.approx(tokens / seconds, rel=0.2), (r["step"], tokens, seconds)
