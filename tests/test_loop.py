@@ -610,3 +610,13 @@ def test_several_updates_per_rollout_log_the_mean_of_their_metrics(tmp_path, mon
     assert len(critic_parts) == 2 and critic_parts[0]["value_loss"] != critic_parts[1]["value_loss"]
     for key in critic_parts[0]:
         assert rl[key] == pytest.approx((critic_parts[0][key] + critic_parts[1][key]) / 2, rel=1e-12, abs=1e-15), key
+
+
+def test_a_diverged_run_s_summary_is_strict_json(tmp_path):
+    """An SFT run whose loss blew up (NaN) wrote 'NaN' into summary.json, which strict JSON readers (jq, JavaScript)
+    refuse; metrics.jsonl already wrote null for it."""
+    summary = run(tiny_config(tmp_path, "run.mode=sft", "run.num_rollout=3", "train.sft_lr=1e30"), MilesPlugins(autoload=False))
+    assert summary["train_nll_last"] != summary["train_nll_last"]  # NaN: the run diverged
+    text = (tmp_path / "runs" / next((tmp_path / "runs").iterdir()).name / "summary.json").read_text()
+    written = json.loads(text, parse_constant=lambda c: pytest.fail(f"summary.json holds {c}"))
+    assert written["train_nll_last"] is None and written["train_nll_first"] == summary["train_nll_first"]

@@ -1,4 +1,4 @@
-"""metrics.jsonl: one JSON object per step, flushed as it is written."""
+"""metrics.jsonl: one JSON object per step, flushed as it is written; strict JSON for it and summary.json."""
 
 from __future__ import annotations
 
@@ -14,6 +14,12 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def strict_json(record: dict[str, Any], indent: int | None = None) -> str:
+    """``record`` as strict JSON: a NaN or infinite number (a diverged loss) is null, not the ``NaN`` that Python
+    writes and jq or JavaScript refuse."""
+    return json.dumps({k: _clean(v) for k, v in record.items()}, indent=indent)
+
+
 class MetricsLog:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -21,7 +27,7 @@ class MetricsLog:
         self._fh = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._fh.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        self._fh.write(strict_json(record) + "\n")
         self._fh.flush()
 
     def close(self) -> None:

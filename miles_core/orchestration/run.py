@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from dataclasses import asdict
@@ -14,7 +13,7 @@ from rich.console import Console
 
 from miles_core.config.schema import MilesConfig
 from miles_core.models.checkpoint import atomic_file, save_hf_folder
-from miles_core.observe.metrics import MetricsLog
+from miles_core.observe.metrics import MetricsLog, strict_json
 from miles_core.observe.plot import plot_curves
 from miles_core.observe.view import LiveView, plugins_table, summary_table
 from miles_core.orchestration.build import build, check_run_folders, tokenizer_files
@@ -77,6 +76,6 @@ def run(cfg: MilesConfig, plugins: MilesPlugins, console: Console | None = None)
             save_hf_folder(trainer.model, c.family, dest, tokenizer_files(c.ctx.tokenizer))
         summary["saved"] = str(dest)
     summary["output_dir"] = str(out)
-    atomic_file(out / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=2)))
+    atomic_file(out / "summary.json", lambda tmp: tmp.write_text(strict_json(summary, indent=2)))
     console.print(summary_table({k: v for k, v in summary.items() if k != "output_dir"}, out))
     return summary
