@@ -141,3 +141,15 @@ def test_recipe_one_step_smoke(tmp_path):
     assert summary["status"] == "completed" and summary["weight_version"] == 1
     step = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
     assert step["step"] == 1 and 0 < step["response_len"] <= 8 and step["reward_mean"] >= 0
+
+
+def test_an_answer_the_datasets_scorer_cannot_parse_scores_zero():
+    """reasoning-gym's prime_factorization scorer raises ValueError on an answer that is not '*'-separated integers
+    (and boxnet's, coin_flip's on others): a policy's unparsable answer is a wrong one, not the end of the run."""
+    needs_rg()
+    task = reasoning_gym_factory(DataConfig(task="reasoning_gym", num_eval=4,
+                                            task_options={"dataset": "prime_factorization", "size": 50}))
+    e = task.eval_prompts()[0].label
+    assert task.score(f"<answer>{e['answer']}</answer>", e) == 1.0
+    for garbage in ("<answer>1.5</answer>", "<answer>a, b</answer>", "the factors are 3.5"):
+        assert task.score(garbage, e) == 0.0

@@ -18,7 +18,9 @@ question until then. The label is the dataset entry itself, which ``score_answer
 Scoring: the text inside the last ``<answer>...</answer>`` of the response (no tag: the last
 number in it; no number: ``None``) goes to ``dataset.score_answer(answer, entry)``: 1.0 for an exact answer, partial credit for an
 answer that contains the right one (basic_arithmetic: ``len(oracle) / len(answer)``), else 0.
-Accuracy counts only full marks.
+An answer the scorer raises on is scored 0: some scorers parse it and raise on one they cannot
+(prime_factorization's ValueError on "1.5", boxnet's TypeError on "1"), and a policy's unparsable
+answer is a wrong one, not the end of the run. Accuracy counts only full marks.
 """
 
 from __future__ import annotations
@@ -102,7 +104,11 @@ class ReasoningGymTask:
                 yield self._fresh(self._train[i])
 
     def score(self, response: str, label: object) -> float:
-        return float(self.train_ds.score_answer(extract_answer(response), label))
+        answer = extract_answer(response)
+        try:
+            return float(self.train_ds.score_answer(answer, label))
+        except Exception:  # noqa: BLE001 - some scorers parse the answer and raise on one they cannot (see module doc)
+            return 0.0
 
     def reference(self, prompt: Prompt) -> str | None:
         return f"<answer>{prompt.label['answer']}</answer>"
