@@ -153,3 +153,14 @@ def test_an_answer_the_datasets_scorer_cannot_parse_scores_zero():
     assert task.score(f"<answer>{e['answer']}</answer>", e) == 1.0
     for garbage in ("<answer>1.5</answer>", "<answer>a, b</answer>", "the factors are 3.5"):
         assert task.score(garbage, e) == 0.0
+
+
+def test_no_reference_answer_where_the_dataset_has_no_oracle():
+    """graph_color (like boxnet, propositional_logic, rubiks_cube, rush_hour) has no single answer: its entries'
+    'answer' is None, and supervised warm-up must not train the model to write '<answer>None</answer>'."""
+    needs_rg()
+    task = reasoning_gym_factory(DataConfig(task="reasoning_gym", num_eval=2, task_options={"dataset": "graph_color", "size": 5}))
+    p = task.eval_prompts()[0]
+    assert p.label["answer"] is None and task.reference(p) is None
+    q = make_task(num_eval=2, config=EASY).eval_prompts()[0]
+    assert make_task(num_eval=2, config=EASY).reference(q) == f"<answer>{q.label['answer']}</answer>"

@@ -111,7 +111,10 @@ class ReasoningGymTask:
             return 0.0
 
     def reference(self, prompt: Prompt) -> str | None:
-        return f"<answer>{prompt.label['answer']}</answer>"
+        """The entry's answer in tags; None where the dataset has no single oracle answer (its 'answer' is None:
+        graph_color, boxnet, propositional_logic, rubiks_cube, rush_hour check a response by other means)."""
+        answer = prompt.label["answer"]
+        return None if answer is None else f"<answer>{answer}</answer>"
 
 
 def reasoning_gym_factory(cfg) -> ReasoningGymTask:
