@@ -620,3 +620,33 @@ def test_a_diverged_run_s_summary_is_strict_json(tmp_path):
     text = (tmp_path / "runs" / next((tmp_path / "runs").iterdir()).name / "summary.json").read_text()
     written = json.loads(text, parse_constant=lambda c: pytest.fail(f"summary.json holds {c}"))
     assert written["train_nll_last"] is None and written["train_nll_first"] == summary["train_nll_first"]
+
+
+def test_sft_from_a_task_without_reference_answers_is_refused(tmp_path):
+    """run.mode=sft without data.train_path trains on the task's reference answers. A task that has none (a plugin's,
+    reasoning-gym's graph_color) made its example stream draw prompts forever without yielding one: the run hung
+    at step 1. (The task here stops after 2,000 prompts, so that the old code fails instead of hanging.)"""
+    import itertools
+
+    from miles_core.data.synthetic import ReverseTask
+    from miles_core.errors import DataError
+
+    class NoAnswers(ReverseTask):
+        name = "no_answers"
+
+        def reference(self, prompt):
+            return None
+
+        def train_prompts(self, rng):
+            return itertools.islice(super().train_prompts(rng), 2000)
+
+    class Plugin:
+        @hookimpl
+        def miles_register_tasks(self, registry):
+            registry.add("no_answers", lambda cfg: NoAnswers(cfg.num_eval))
+
+    cfg = tiny_config(tmp_path, "run.mode=sft", "data.task=no_answers")
+    pm = MilesPlugins(autoload=False, extra_plugins=[("no_answers", Plugin())])
+    with pytest.raises(DataError, match=r"^run.mode=sft without data.train_path trains on the task's reference answers: "
+                                        r"task 'no_answers' gave none for 1000 training prompts in a row"):
+        run_loop(build(cfg, pm, tmp_path), lambda r: None)

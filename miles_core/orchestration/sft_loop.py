@@ -25,11 +25,14 @@ from pathlib import Path
 
 from miles_core.algorithms.masked import masked_mean
 from miles_core.data.sft import read_sft_examples
+from miles_core.errors import DataError
 from miles_core.orchestration.build import tokenizer_files
 from miles_core.orchestration.checkpoint import (LoopState, load_checkpoint, read_loop_state, save_checkpoint, save_due,
                                                  sft_data_fingerprint)
 from miles_core.train.batch import make_train_batch
 from miles_core.types import Sample
+
+NO_REFERENCE_LIMIT = 1000  # training prompts in a row without a reference answer before run.mode=sft gives up
 
 
 def _examples(c, rng: random.Random) -> Iterator[Sample]:
@@ -42,8 +45,15 @@ def _examples(c, rng: random.Random) -> Iterator[Sample]:
             yield from (pool[i] for i in order)
     from miles_core.orchestration.loop import _reference_samples, _tokenize
 
+    missed = 0  # prompts in a row without a reference answer: a task with none would be drawn from forever
     for p in c.task.train_prompts(rng):
-        yield from _reference_samples(_tokenize([p], tok), c.task, tok)
+        refs = _reference_samples(_tokenize([p], tok), c.task, tok)
+        missed = 0 if refs else missed + 1
+        if missed == NO_REFERENCE_LIMIT:
+            raise DataError(f"run.mode=sft without data.train_path trains on the task's reference answers: task "
+                            f"'{c.task.name}' gave none for {missed} training prompts in a row; give (prompt, response) "
+                            "examples in data.train_path")
+        yield from refs
 
 
 def eval_nll(c, trainer, eval_refs: list[Sample]) -> float:
