@@ -164,3 +164,31 @@ def test_no_reference_answer_where_the_dataset_has_no_oracle():
     assert p.label["answer"] is None and task.reference(p) is None
     q = make_task(num_eval=2, config=EASY).eval_prompts()[0]
     assert make_task(num_eval=2, config=EASY).reference(q) == f"<answer>{q.label['answer']}</answer>"
+
+
+def test_a_chat_template_without_a_system_role_is_one_clear_error():
+    """Gemma's chat templates raise "System role not supported"; reasoning-gym prompts open with a system turn, so
+    the run ended in a jinja2 traceback. It is now one DataError naming the roles, and an empty system_prompt
+    leaves the system turn out, so that such a model can be used."""
+    needs_rg()
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from miles_core.data.tokenizer import HFTokenizer
+    from miles_core.errors import DataError
+    from miles_core.orchestration.loop import _tokenize
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(["Calculate 1 + 2 ="] * 5, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    hf_tok.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                            "{% endif %}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>")
+    tok = HFTokenizer.wrap(hf_tok)
+    with pytest.raises(DataError, match=r"^the tokenizer's chat template cannot render messages with roles \[system, user\]: "
+                                        r"TemplateError: System role not supported"):
+        _tokenize(make_task(num_eval=1, config=EASY).eval_prompts(), tok)
+    (p,) = _tokenize(make_task(num_eval=1, config=EASY, system_prompt="").eval_prompts(), tok)
+    assert p.metadata["messages"] == [{"role": "user", "content": p.label["question"]}]
+    assert p.text == f"<user>{p.label['question']}<assistant>" and p.prompt_ids

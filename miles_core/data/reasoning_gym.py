@@ -8,11 +8,12 @@ Config: ``data.task: reasoning_gym`` and ``data.task_options``:
 * ``eval_seed`` (default 2): the held-out pool of ``data.num_eval`` entries, drawn with its own
   seed; an eval question that also occurs in the training pool is dropped from training, so the
   two sets are disjoint as texts, not only as seeds;
-* ``system_prompt``: overrides :data:`SYSTEM_PROMPT`;
+* ``system_prompt``: overrides :data:`SYSTEM_PROMPT`; empty: no system turn (chat templates without
+  a system role, such as Gemma's, raise on one);
 * ``config``: a mapping passed to the dataset's config (e.g. ``{max_terms: 2, max_digits: 2}``).
 
-Each prompt carries ``metadata["messages"]`` (a system and a user turn); the loop renders them with
-the model tokenizer's chat template (``add_generation_prompt=True``). ``Prompt.text`` is the plain
+Each prompt carries ``metadata["messages"]`` (a system turn unless ``system_prompt`` is empty, and a
+user turn); the loop renders them with the model tokenizer's chat template (``add_generation_prompt=True``). ``Prompt.text`` is the plain
 question until then. The label is the dataset entry itself, which ``score_answer`` needs.
 
 Scoring: the text inside the last ``<answer>...</answer>`` of the response (no tag: the last
@@ -84,7 +85,8 @@ class ReasoningGymTask:
             raise ConfigError(f"data.task_options: every training entry of '{dataset}' is also held out; raise size or change seed")
 
     def messages(self, question: str) -> list[dict[str, str]]:
-        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": question}]
+        user = [{"role": "user", "content": question}]
+        return [{"role": "system", "content": self.system_prompt}, *user] if self.system_prompt else user
 
     def _prompt(self, entry: dict[str, Any]) -> Prompt:
         return Prompt(text=entry["question"], label=entry, metadata={"messages": self.messages(entry["question"])})

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Protocol
 
-from miles_core.errors import ConfigError
+from miles_core.errors import ConfigError, DataError
 
 CHAR_TOKENIZER_FILE = "miles_char_tokenizer.json"
 DEFAULT_ALPHABET = "0123456789+-*=()<>?:,. abcdefghijklmnopqrstuvwxyz"
@@ -120,10 +120,18 @@ class HFTokenizer:
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """``messages`` through the tokenizer's chat template, ending with the assistant's turn
-        opened (``add_generation_prompt=True``); without a template, the last message's text."""
+        opened (``add_generation_prompt=True``); without a template, the last message's text. A template that
+        raises on them (a role it does not support) is a DataError naming the roles."""
         if not getattr(self.tok, "chat_template", None):
             return messages[-1]["content"]
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template that refuses the messages (Gemma's: "System role not supported")
+            roles = [m.get("role") for m in messages]
+            hint = ("; for a model without a system role leave the system message out (reasoning_gym: "
+                    "data.task_options.system_prompt: '')" if "system" in roles else "")
+            raise DataError(f"the tokenizer's chat template cannot render messages with roles [{', '.join(map(str, roles))}]: "
+                            f"{type(exc).__name__}: {' '.join(str(exc).split())}{hint}") from None
 
 
 def missing_folder(path: Path) -> str:
