@@ -100,6 +100,15 @@ class ReverseTask(_SyntheticTask):
         if min_len > max_len:
             raise ConfigError(f"data.task_options.min_len ({min_len}) must be <= max_len ({max_len})")
         self.min_len, self.max_len, self.alphabet = min_len, max_len, alphabet
+        distinct = 0  # strings there are (up to what the check needs): the eval set must leave some to train on
+        for n in range(min_len, max_len + 1):
+            distinct += len(set(alphabet)) ** n
+            if distinct >= 2 * num_eval:
+                break
+        else:
+            raise ConfigError(f"data.task_options: task 'reverse' has {distinct} distinct strings (alphabet {alphabet!r}, "
+                              f"lengths {min_len}..{max_len}), too few for {num_eval} eval prompts and training "
+                              "(it needs twice as many): raise max_len, widen the alphabet or lower data.num_eval")
         super().__init__(num_eval, demo_noise)
 
     def _flawed(self, prompt: Prompt) -> str:
