@@ -229,6 +229,27 @@ def test_a_sharded_folder_loads_the_shards_its_index_names(tmp_path):
         load_hf_folder(ckpt, regs.model_families)
 
 
+def test_a_model_safetensors_is_the_model_whatever_else_the_folder_holds(tmp_path):
+    """transformers reads only ``model.safetensors`` where there is one; every other ``*.safetensors`` beside it (an
+    adapter_model.safetensors, a consolidated.safetensors, an earlier sharded save's files) was loaded too, so such a
+    folder was refused ("unexpected [...]") or had the other file's tensors loaded over the model's."""
+    from safetensors.torch import load_file, save_file
+
+    regs = MilesPlugins(autoload=False).registries
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
+    ckpt = tmp_path / "ckpt"
+    save_hf_folder(model, regs.model_families.get("llama"), ckpt)
+    state = load_file(str(ckpt / "model.safetensors"))
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 32)},
+              str(ckpt / "adapter_model.safetensors"))
+    save_file({"model.norm.weight": torch.zeros(32)}, str(ckpt / "model-00002-of-00002.safetensors"))  # stale, sorts first
+    save_file({"model.norm.weight": torch.zeros(32)}, str(ckpt / "zz.safetensors"))  # sorts last
+    back, _ = load_hf_folder(ckpt, regs.model_families)
+    for k, v in state.items():
+        assert torch.equal(back.state_dict()[k], v), k
+
+
 def test_atomic_dir_writes_folders_with_subfolders(tmp_path):
     """A writer may make subfolders (a trainer's sharded state, a tokenizer folder): the flush walks them."""
 

@@ -188,12 +188,14 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The shards ``model.safetensors.index.json`` names, as transformers reads a sharded folder (other
-    ``*.safetensors`` there, such as an earlier save's shards of another count, are not the model); without an
-    index (or beside a ``model.safetensors``), every ``*.safetensors`` file."""
+    """The files that hold the model, as transformers picks them: ``model.safetensors`` where there is one, else the
+    shards ``model.safetensors.index.json`` names (other ``*.safetensors`` there, such as an adapter_model.safetensors
+    or an earlier save's shards of another count, are not the model); with neither, every ``*.safetensors`` file."""
     folder = Path(folder)
     index = folder / INDEX_FILE
-    if not index.is_file() or (folder / "model.safetensors").is_file():
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    if not index.is_file():
         return sorted(folder.glob("*.safetensors"))
     try:
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))

@@ -170,7 +170,7 @@ class EngineCore:
         self.blocks.flush()  # cached prefixes were computed with the old weights
 
     def update_weights_from_disk(self, path: str | Path, version: int | None = None) -> None:
-        """Load an HF folder's weights (``read_safetensors``: the shards its index names, else every ``*.safetensors``) in place."""
+        """Load an HF folder's weights (``read_safetensors``: its model.safetensors, else the shards its index names) in place."""
         from miles_core.models.checkpoint import read_safetensors
 
         state = read_safetensors(Path(path))
