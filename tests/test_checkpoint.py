@@ -156,6 +156,8 @@ def test_a_tensor_of_the_wrong_shape_is_named(tmp_path):
 @pytest.mark.parametrize("edit,message", [
     (lambda c: c.pop("hidden_size"), r"config.json has no 'hidden_size'"),
     (lambda c: c.update(num_hidden_layers="2"), r"config.json: cannot build a llama model from it"),
+    # a negative RoPE base made every rotary frequency but the first nan, and so every logit
+    (lambda c: c.update(rope_theta=-10000.0), r"config.json: cannot build a llama model from it \(rope_theta must be > 0"),
 ])
 def test_a_config_json_without_a_needed_key_is_named(tmp_path, edit, message):
     import json

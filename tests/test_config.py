@@ -169,3 +169,11 @@ def test_a_key_given_twice_in_a_recipe_is_refused(tmp_path):
     recipe.write_text("run: {<<: {seed: 3, name: a}, name: b}\n")  # a merge key may still be overridden
     cfg = load_config(recipe)
     assert (cfg.run.seed, cfg.run.name) == (3, "b")
+
+
+@pytest.mark.parametrize("theta", ["0", "-10000"])
+def test_a_rope_theta_that_is_not_positive_is_refused(theta):
+    """model.rope_theta 0 made every rotary frequency but the first inf (negative: nan), so every logit was nan and
+    the run trained on nan losses without a word."""
+    with pytest.raises(ConfigError, match=f"model.rope_theta must be > 0, got {float(theta)}"):
+        load_config(None, [f"model.rope_theta={theta}"])

@@ -25,6 +25,8 @@ class ModelConfig:
         for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_seq_len"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"model.{key} must be >= 1, got {getattr(self, key)}")
+        if not self.rope_theta > 0:  # 0 gives inf rotary frequencies, a negative base nan ones: every logit nan
+            raise ConfigError(f"model.rope_theta must be > 0, got {self.rope_theta}")
         if self.hidden_size % self.num_heads:
             raise ConfigError(f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})")
         if self.num_heads % self.num_kv_heads:

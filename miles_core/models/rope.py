@@ -64,6 +64,8 @@ def inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None = None) -> t
     reason = unsupported(scaling)
     if reason is not None:
         raise ValueError(f"cannot compute rotary frequencies: {reason}")
+    if not theta > 0:  # 0 gives inf frequencies, a negative base nan ones: every logit nan
+        raise ValueError(f"rope_theta must be > 0, got {theta}")
     f = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     kind = scaling["rope_type"] if scaling else "default"
     if kind == "linear":
