@@ -252,6 +252,25 @@ def test_a_model_safetensors_is_the_model_whatever_else_the_folder_holds(tmp_pat
         assert torch.equal(back.state_dict()[k], v), k
 
 
+def test_an_export_s_config_names_the_dtype_of_its_tensors(tmp_path):
+    """config.json said torch_dtype float32 whatever the tensors were: a bf16 policy (a precision recipe keeping bf16
+    weights) was exported as bf16 tensors labelled float32, so transformers loaded it upcast to fp32 (twice the memory)
+    and servers that pick their dtype from config.json (vLLM, SGLang: dtype auto) ran it in another dtype than trained."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    regs = MilesPlugins(autoload=False).registries
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
+    for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32")):
+        model = model.to(dtype)
+        save_hf_folder(model, regs.model_families.get("llama"), tmp_path / name)
+        assert json.loads((tmp_path / name / "config.json").read_text())["torch_dtype"] == name
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name, local_files_only=True)
+        assert hf.dtype == dtype
+        assert torch.equal(hf.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
 def test_atomic_dir_writes_folders_with_subfolders(tmp_path):
     """A writer may make subfolders (a trainer's sharded state, a tokenizer folder): the flush walks them."""
 

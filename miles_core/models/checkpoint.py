@@ -136,9 +136,12 @@ def save_hf_state(state: dict[str, torch.Tensor], cfg, family: ModelFamily, dest
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
 
+    config = family.config_to_hf(cfg)
+    config["torch_dtype"] = str(stored_dtype(state)).removeprefix("torch.")
+
     def write(tmp: Path) -> None:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(family.config_to_hf(cfg), indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for name, content in (extra_files or {}).items():  # text, or bytes (a tokenizer's files)
             if isinstance(content, bytes):
                 (tmp / name).write_bytes(content)
@@ -146,6 +149,16 @@ def save_hf_state(state: dict[str, torch.Tensor], cfg, family: ModelFamily, dest
                 (tmp / name).write_text(content)
 
     atomic_dir(dest, write)
+
+
+def stored_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
+    """The floating dtype that holds most of ``state``'s elements (config.json's torch_dtype, which transformers and
+    the servers load the model in); float32 if it has no floating tensor."""
+    counts: dict[torch.dtype, int] = {}
+    for t in state.values():
+        if t.is_floating_point():
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    return max(counts, key=counts.get) if counts else torch.float32
 
 
 def read_hf_config(path: Path) -> dict:
