@@ -177,3 +177,17 @@ def test_a_rope_theta_that_is_not_positive_is_refused(theta):
     the run trained on nan losses without a word."""
     with pytest.raises(ConfigError, match=f"model.rope_theta must be > 0, got {float(theta)}"):
         load_config(None, [f"model.rope_theta={theta}"])
+
+
+def test_an_override_of_one_mapping_entry_keeps_the_others(tmp_path):
+    """data.task_options.size=5000 replaced the whole mapping with {'size': 5000}: the recipe's dataset, seeds and
+    config were dropped silently and the run trained on another task."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("data:\n  task_options: {dataset: basic_arithmetic, size: 20000, config: {min_terms: 2, max_terms: 2}}\n")
+    cfg = load_config(recipe, ["data.task_options.size=5000", "--data.task_options.config.max_terms", "3"])
+    assert cfg.data.task_options == {"dataset": "basic_arithmetic", "size": 5000, "config": {"min_terms": 2, "max_terms": 3}}
+    cfg = load_config(None, ["data.task_options.a=1", "data.task_options.b.c=x"])
+    assert cfg.data.task_options == {"a": 1, "b": {"c": "x"}}
+    assert load_config(recipe, ["data.task_options={size: 7}"]).data.task_options == {"size": 7}  # the whole mapping
+    with pytest.raises(ConfigError, match=r"'data.task_options.dataset' is 'basic_arithmetic', not a mapping"):
+        load_config(recipe, ["data.task_options.dataset.x=1"])

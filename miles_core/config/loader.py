@@ -113,6 +113,18 @@ def _key_type(parts: list[str]) -> Any:
     return tp
 
 
+def _mapping_depth(parts: list[str]) -> int | None:
+    """How many of ``parts`` name a mapping key (data.task_options) when the rest names an entry inside it, else None."""
+    tp: Any = MilesConfig
+    for i, part in enumerate(parts[:-1]):
+        if not dataclasses.is_dataclass(tp):
+            return None
+        tp = typing.get_type_hints(tp).get(part)
+        if typing.get_origin(tp) is dict:
+            return i + 1
+    return None
+
+
 def _is_text(tp: Any) -> bool:
     return tp is str or (typing.get_origin(tp) in (typing.Union, types.UnionType) and set(typing.get_args(tp)) == {str, type(None)})
 
@@ -151,6 +163,17 @@ def _set_dotted(cfg: MilesConfig, key: str, raw: str, source: str) -> None:
         cfg.rollout.sglang.server_args[name] = raw if value is None else value
         return
     parts = key.split(".")
+    depth = _mapping_depth(parts)
+    if depth is not None:  # data.task_options.size=5: one entry of the mapping (nested keys too), not the whole mapping
+        cursor = cfg
+        for part in parts[:depth]:
+            cursor = getattr(cursor, part)
+        for i in range(depth, len(parts) - 1):
+            cursor = cursor.setdefault(parts[i], {})
+            if not isinstance(cursor, dict):
+                raise ConfigError(f"{source}: '{'.'.join(parts[:i + 1])}' is {cursor!r}, not a mapping: cannot set '{key}'")
+        cursor[parts[-1]] = _cli_value(raw, Any)
+        return
     nested: dict[str, Any] = {}
     cursor = nested
     for part in parts[:-1]:
