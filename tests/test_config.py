@@ -191,3 +191,18 @@ def test_an_override_of_one_mapping_entry_keeps_the_others(tmp_path):
     assert load_config(recipe, ["data.task_options={size: 7}"]).data.task_options == {"size": 7}  # the whole mapping
     with pytest.raises(ConfigError, match=r"'data.task_options.dataset' is 'basic_arithmetic', not a mapping"):
         load_config(recipe, ["data.task_options.dataset.x=1"])
+
+
+def test_a_recipe_takes_a_number_written_without_a_dot(tmp_path):
+    """PyYAML (YAML 1.1) reads 1e-5 as text, so a recipe with `lr: 1e-5` was refused with "must be a number, got
+    '1e-5'", while the same value on the command line was taken."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  lr: 1e-5\n  sft_lr: -2E+1\nalgorithm:\n  critic_lr: 3e-6\n  kl_coef: .5e-3\n")
+    with pytest.raises(ConfigError, match=r"train.sft_lr must be > 0"):  # read as a number, then range-checked
+        load_config(recipe)
+    recipe.write_text("train:\n  lr: 1e-5\nalgorithm:\n  critic_lr: 3e-6\n  kl_coef: .5e-3\n")
+    cfg = load_config(recipe)
+    assert (cfg.train.lr, cfg.algorithm.critic_lr, cfg.algorithm.kl_coef) == (1e-5, 3e-6, 5e-4)
+    recipe.write_text("train:\n  lr: 1e-5x\n")
+    with pytest.raises(ConfigError, match=r"config key 'train.lr' must be a number, got '1e-5x'"):
+        load_config(recipe)

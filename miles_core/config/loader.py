@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -17,6 +18,10 @@ import yaml
 from miles_core.config.flags import SLIME_FLAGS, SWITCH_FLAGS
 from miles_core.config.schema import MilesConfig
 from miles_core.errors import ConfigError, did_you_mean
+
+
+# a number with an exponent and no dot (1e-5), which YAML 1.1 (PyYAML) reads as text
+_EXPONENT_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def _all_keys(cls: type = MilesConfig, prefix: str = "") -> list[str]:
@@ -67,6 +72,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
     if tp is float:
+        if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value):  # `lr: 1e-5` in a recipe
+            value = float(value)
         # NaN passes every range check (each is a comparison, and NaN compares false): it is refused here
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
             return float(value)
