@@ -92,10 +92,18 @@ def test_bad_value_names_the_key():
     # a negative SFT rate trained away from the demonstrations; 0 fell back to train.lr unsaid
     ("train.sft_lr=-0.001", r"train.sft_lr must be > 0 \(or null: train.lr\), got -0.001"),
     ("train.sft_lr=0", r"train.sft_lr must be > 0 \(or null: train.lr\), got 0"),
+    # AdamW refused these with a ValueError traceback once the run folder was made; a resume set them unchecked
+    ("train.adam_beta1=1.5", r"train.adam_beta1 must be in \[0, 1\), got 1.5"),
+    ("train.adam_beta2=1", r"train.adam_beta2 must be in \[0, 1\), got 1.0"),
+    ("train.adam_beta2=-0.1", r"train.adam_beta2 must be in \[0, 1\), got -0.1"),
+    ("train.weight_decay=-0.01", "train.weight_decay must be >= 0, got -0.01"),
+    # the cosine schedule ended on a negative rate (gradient ascent), or rose from train.lr to a floor above it
+    ("train.min_lr=-1e-6", "train.min_lr must be >= 0, got -1e-06"),
+    (["train.lr_decay=cosine", "train.lr=1e-5", "train.min_lr=1e-4"], r"train.min_lr \(0.0001\) must not exceed train.lr \(1e-05\)"),
 ])
 def test_bad_train_value_names_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [override])
+        load_config(None, override if isinstance(override, list) else [override])
 
 
 def test_a_bool_is_not_a_number():

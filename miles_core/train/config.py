@@ -39,6 +39,15 @@ class TrainConfig:
     def validate(self) -> None:
         if self.lr <= 0:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        for key in ("adam_beta1", "adam_beta2"):  # AdamW's own range; a resume sets them on its groups unchecked
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(self, key)}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.min_lr < 0:  # the cosine schedule would end on a negative rate: gradient ascent
+            raise ConfigError(f"train.min_lr must be >= 0, got {self.min_lr}")
+        if self.lr_decay == "cosine" and self.min_lr > self.lr:
+            raise ConfigError(f"train.min_lr ({self.min_lr}) must not exceed train.lr ({self.lr}): the cosine decays from lr to min_lr")
         if self.old_logprobs not in ("auto", "recompute"):
             raise ConfigError(f"train.old_logprobs must be auto or recompute, got {self.old_logprobs!r}")
         if self.micro_batch_size < 1:
