@@ -206,3 +206,14 @@ def test_a_chat_row_that_renders_to_no_tokens_is_named_with_its_line(cli, tmp_pa
     line = _one_line_error(cli("run", "data.task=jsonl", "data.task_options={}", f"data.train_path={train}",
                                f"data.eval_path={held_out}", "--num-rollout", "1", f"run.output_dir={tmp_path}"))
     assert line.startswith(f"error: {train}:2: the prompt is empty"), line
+
+
+def test_a_recipe_in_a_folder_with_an_equals_sign_is_the_recipe(cli, tmp_path):
+    """A run named kl=0.01 saves its config as runs/kl=0.01-<stamp>/config.yaml; given back as RECIPE it was taken
+    for a key=value override ("'.../kl' is not a config key")."""
+    recipe = tmp_path / "kl=0.01-20250101-000000" / "config.yaml"
+    recipe.parent.mkdir()
+    recipe.write_text("run:\n  name: kl=0.01\nrollout:\n  batch_size: 3\n")
+    out = cli("validate", str(recipe), "run.seed=2")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"ok: {recipe}")
