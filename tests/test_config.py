@@ -214,3 +214,10 @@ def test_a_recipe_takes_a_number_written_without_a_dot(tmp_path):
     recipe.write_text("train:\n  lr: 1e-5x\n")
     with pytest.raises(ConfigError, match=r"config key 'train.lr' must be a number, got '1e-5x'"):
         load_config(recipe)
+
+
+def test_a_rollout_batch_of_no_sequences_is_refused_by_its_key():
+    """rollout.max_batch_size=0 passed validation; the run made its folder, printed its header and then stopped on
+    'engine.max_num_seqs must be >= 1', a key the user cannot set."""
+    with pytest.raises(ConfigError, match="rollout.max_batch_size must be >= 1, got 0"):
+        load_config(None, ["rollout.max_batch_size=0"])

@@ -46,6 +46,8 @@ class RolloutConfig:
             raise ConfigError(f"rollout.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_batch_size < 1:
+            raise ConfigError(f"rollout.max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.decode_steps < 0:
             raise ConfigError(f"rollout.decode_steps must be >= 0, got {self.decode_steps}")
         if self.dtype not in ROLLOUT_DTYPES:
