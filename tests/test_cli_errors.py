@@ -217,3 +217,8 @@ def test_a_recipe_in_a_folder_with_an_equals_sign_is_the_recipe(cli, tmp_path):
     out = cli("validate", str(recipe), "run.seed=2")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"ok: {recipe}")
+
+
+def test_slime_reward_kl_and_kl_loss_together_is_one_line(cli):
+    line = _one_line_error(cli("validate", "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl", "--kl-coef", "0.02"))
+    assert "--kl-coef 0.02" in line and "--kl-loss-coef 0.01" in line

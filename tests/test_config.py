@@ -31,7 +31,6 @@ def test_recipe_then_overrides_then_flags(tmp_path):
         ("--rollout-max-response-len", "rollout.max_response_len", "9", 9),
         ("--rollout-temperature", "rollout.temperature", "0.5", 0.5),
         ("--eps-clip", "algorithm.eps_clip", "0.1", 0.1),
-        ("--kl-coef", "algorithm.kl_coef", "0.01", 0.01),
         ("--save", "run.save", "out/model", "out/model"),
         ("--load", "run.load", "in/model", "in/model"),
         ("--seed", "run.seed", "42", 42),
@@ -42,6 +41,60 @@ def test_slime_flags(flag, key, value, expected):
     cfg = load_config(None, [flag, value])
     section, name = key.split(".")
     assert getattr(getattr(cfg, section), name) == expected
+
+
+def _kl(cfg):
+    a = cfg.algorithm
+    return a.kl_coef, a.kl_mode, a.kl_estimator
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        # slime's --kl-coef is the KL penalty in the reward (slime/utils/arguments.py), not a loss term
+        (["--kl-coef", "0.01"], (0.01, "reward", "auto")),
+        # slime's KL loss: --use-kl-loss with --kl-loss-coef; --kl-loss-type picks the estimator
+        (["--use-kl-loss", "--kl-loss-coef", "0.02", "--kl-loss-type", "k2"], (0.02, "loss", "k2")),
+        (["--use-kl-loss", "--kl-loss-coef=0.02", "--kl-loss-type=low_var_kl"], (0.02, "loss", "k3_clamped")),
+        (["--kl-loss-type", "k3", "--kl-loss-coef", "0.02", "--use-kl-loss"], (0.02, "loss", "k3")),
+        # the typical slime script: a zero coefficient never forces its mode on the other flag's KL
+        (["--use-kl-loss", "--kl-loss-coef", "0.00", "--kl-loss-type", "low_var_kl", "--kl-coef", "0.00"], (0.0, "loss", "k3_clamped")),
+        (["--use-kl-loss", "--kl-loss-coef", "0.00", "--kl-loss-type", "k1", "--kl-coef", "0.03"], (0.03, "reward", "k1")),
+        (["--kl-coef", "0.03", "--use-kl-loss", "--kl-loss-coef", "0"], (0.03, "reward", "auto")),
+        (["--kl-coef", "0", "--use-kl-loss", "--kl-loss-coef", "0.04"], (0.04, "loss", "auto")),
+        (["--use-kl-loss", "--kl-loss-coef", "0.04", "--kl-coef", "0"], (0.04, "loss", "auto")),
+    ],
+)
+def test_slime_kl_flags_mean_what_they_meant_in_slime(flags, expected):
+    assert _kl(load_config(None, flags)) == expected
+
+
+def test_slime_kl_flags_override_the_recipe(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("algorithm: {kl_coef: 0.05, kl_mode: loss}\n")
+    assert _kl(load_config(recipe, ["--kl-coef", "0.01"])) == (0.01, "reward", "auto")
+    # all the script's KL coefficients are zero: no KL, as in slime
+    assert load_config(recipe, ["--use-kl-loss", "--kl-loss-coef", "0", "--kl-coef", "0"]).algorithm.kl_coef == 0
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        # slime refuses both too; Miles has one KL term at a time
+        (["--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-coef", "0.02"], "--kl-coef 0.02 .* --kl-loss-coef 0.01"),
+        (["--kl-coef", "0.02", "--kl-loss-coef", "0.01", "--use-kl-loss"], "--kl-coef 0.02 .* --kl-loss-coef 0.01"),
+        # in slime --kl-loss-coef does nothing without --use-kl-loss
+        (["--kl-loss-coef", "0.01"], "--kl-loss-coef 0.01 .*--use-kl-loss"),
+        (["--kl-loss-type", "k4"], "--kl-loss-type must be one of k1, k2, k3, low_var_kl, got 'k4'"),
+        (["--kl-coef", "-0.1"], "--kl-coef must be >= 0"),
+        (["--kl-coef", "lots"], "--kl-coef must be a number, got 'lots'"),
+        (["--kl-coef", "0.01", "algorithm.kl_mode=loss"], "--kl-coef sets algorithm.kl_mode"),
+        (["--kl-loss-type", "k2", "--algorithm.kl_estimator", "k3"], "--kl-loss-type sets algorithm.kl_estimator"),
+    ],
+)
+def test_slime_kl_flags_refused(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, flags)
 
 
 def test_unknown_key_suggests_the_closest():

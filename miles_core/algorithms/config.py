@@ -40,7 +40,7 @@ class AlgorithmConfig:
     loss_agg_constant: float | None = None  # seq_sum divisor per sequence (Dr.GRPO); None = rollout.max_response_len
     entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * entropy
     # ---- KL to the frozen reference policy (the policy at the start of RL)
-    kl_coef: float = 0.0  # (--kl-coef) 0 = no reference model at all
+    kl_coef: float = 0.0  # (--kl-coef: kl_mode=reward; --use-kl-loss --kl-loss-coef: kl_mode=loss) 0 = no reference model
     # auto: k1 as a reward penalty (the sample KL, as in REINFORCE++), k3 as a loss term. k3 as a
     # reward has a heavy tail (exp(-d)) that swamped 0/1 rewards in docs/algorithms.md's seed sweep
     kl_estimator: str = "auto"  # auto | k1 | k2 | k3 | k3_clamped

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from miles_core.config.flags import SLIME_FLAGS, SWITCH_FLAGS
+from miles_core.config.flags import KL_SWITCH_FLAG, KL_VALUE_FLAGS, SLIME_FLAGS, SWITCH_FLAGS, resolve_kl_flags
 from miles_core.config.schema import MilesConfig
 from miles_core.errors import ConfigError, did_you_mean
 
@@ -194,11 +194,19 @@ def _set_dotted(cfg: MilesConfig, key: str, raw: str, source: str) -> None:
 def parse_cli_args(args: list[str]) -> list[tuple[str, str, str]]:
     """Turn ``key=value``, ``--slime-flag value`` and ``--section.key=value`` into (key, value, source)."""
     out = []
+    kl_flags: dict[str, str] = {}  # slime's KL flags mean something together: resolved after the loop
+    use_kl_loss = False
     i = 0
     while i < len(args):
         arg = args[i]
         if arg.startswith("--"):
             flag, eq, value = arg.partition("=")
+            if flag == KL_SWITCH_FLAG:
+                if eq:
+                    raise ConfigError(f"option '{flag}' takes no value")
+                use_kl_loss = True
+                i += 1
+                continue
             if flag in SWITCH_FLAGS and not eq:
                 out.append((SWITCH_FLAGS[flag], "true", f"option {flag}"))
                 i += 1
@@ -213,23 +221,34 @@ def parse_cli_args(args: list[str]) -> list[tuple[str, str, str]]:
                     out.append((key, "true", f"option {flag}"))  # a bare switch
                     i += 1
                     continue
+            elif flag in KL_VALUE_FLAGS:
+                key = flag
             elif "." in flag:
                 key = flag[2:].replace("-", "_")
             else:
-                raise ConfigError(f"unknown option '{flag}'{did_you_mean(flag, list(SLIME_FLAGS) + list(SWITCH_FLAGS) + ['--' + k for k in _all_keys()])}")
+                known = list(SLIME_FLAGS) + list(SWITCH_FLAGS) + list(KL_VALUE_FLAGS) + [KL_SWITCH_FLAG]
+                raise ConfigError(f"unknown option '{flag}'{did_you_mean(flag, known + ['--' + k for k in _all_keys()])}")
             if not eq:
                 if i + 1 >= len(args):
                     raise ConfigError(f"option '{flag}' needs a value")
                 i += 1
                 value = args[i]
-            out.append((key, value, f"option {flag}"))
+            if flag in KL_VALUE_FLAGS:
+                kl_flags[flag] = value
+            else:
+                out.append((key, value, f"option {flag}"))
         elif "=" in arg:
             key, _, value = arg.partition("=")
             out.append((key.strip(), value, f"override '{arg}'"))
         else:
             raise ConfigError(f"cannot read argument '{arg}': overrides look like key=value (e.g. rollout.temperature=0.8)")
         i += 1
-    return out
+    kl = resolve_kl_flags(kl_flags, use_kl_loss)
+    for key, _, flag_source in kl:  # applied last: a key also set by name would depend on the order given
+        clash = next((source for k, _, source in out if k == key), None)
+        if clash:
+            raise ConfigError(f"{flag_source.removeprefix('option ')} sets {key}, and {clash} sets it too: give one of them")
+    return out + kl
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
