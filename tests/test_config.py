@@ -43,6 +43,14 @@ def test_slime_flags(flag, key, value, expected):
     assert getattr(getattr(cfg, section), name) == expected
 
 
+def test_slime_gspo_estimator_is_grpo_with_the_gspo_loss():
+    # slime's --advantage-estimator gspo: GRPO advantages, sequence-level ratio in the policy loss
+    a = load_config(None, ["--advantage-estimator", "gspo"]).algorithm
+    assert (a.advantage_estimator, a.policy_loss) == ("grpo", "gspo")
+    a = load_config(None, ["--advantage-estimator=reinforce_plus_plus"]).algorithm
+    assert (a.advantage_estimator, a.policy_loss) == ("reinforce_plus_plus", "ppo_clip")
+
+
 def _kl(cfg):
     a = cfg.algorithm
     return a.kl_coef, a.kl_mode, a.kl_estimator

@@ -3,6 +3,9 @@
 Any config key also works as a flag (``--rollout.top_p 0.9``) or as ``key=value``.
 ``--sglang-KEY VALUE`` sets ``rollout.sglang.server_args.KEY`` (options for launched SGLang servers).
 
+``--advantage-estimator gspo`` is slime's GRPO advantage with GSPO's sequence-level ratio in the loss: Miles'
+``advantage_estimator=grpo`` with ``policy_loss=gspo``. slime's cispo has no Miles counterpart (refused at start-up).
+
 KL (slime/utils/arguments.py): ``--kl-coef X`` is slime's KL penalty in the reward, so it sets
 ``algorithm.kl_coef=X`` with ``algorithm.kl_mode=reward``; ``--use-kl-loss --kl-loss-coef X`` is its KL loss
 (``kl_mode=loss``); ``--kl-loss-type`` (k1, k2, k3, low_var_kl) sets ``algorithm.kl_estimator`` (low_var_kl is
@@ -38,6 +41,11 @@ SLIME_FLAGS: dict[str, str] = {
     "--custom-rm-path": "reward.name",
     "--save-rollouts": "run.save_rollouts",
     "--load-rollouts": "run.load_rollouts",
+}
+
+# slime's --advantage-estimator values that are two keys in Miles (gspo: GRPO advantages, GSPO's sequence-level ratio)
+ESTIMATOR_VALUES: dict[str, tuple[tuple[str, str], ...]] = {
+    "gspo": (("algorithm.advantage_estimator", "grpo"), ("algorithm.policy_loss", "gspo")),
 }
 
 # slime's KL flags, read together (resolve_kl_flags): one Miles KL term, algorithm.kl_coef with kl_mode reward or loss

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from miles_core.config.flags import KL_SWITCH_FLAG, KL_VALUE_FLAGS, SLIME_FLAGS, SWITCH_FLAGS, resolve_kl_flags
+from miles_core.config.flags import ESTIMATOR_VALUES, KL_SWITCH_FLAG, KL_VALUE_FLAGS, SLIME_FLAGS, SWITCH_FLAGS, resolve_kl_flags
 from miles_core.config.schema import MilesConfig
 from miles_core.errors import ConfigError, did_you_mean
 
@@ -235,6 +235,8 @@ def parse_cli_args(args: list[str]) -> list[tuple[str, str, str]]:
                 value = args[i]
             if flag in KL_VALUE_FLAGS:
                 kl_flags[flag] = value
+            elif flag == "--advantage-estimator" and value in ESTIMATOR_VALUES:
+                out += [(k, v, f"option {flag} {value}") for k, v in ESTIMATOR_VALUES[value]]
             else:
                 out.append((key, value, f"option {flag}"))
         elif "=" in arg:
