@@ -35,6 +35,14 @@ def test_recipe_then_overrides_then_flags(tmp_path):
         ("--load", "run.load", "in/model", "in/model"),
         ("--seed", "run.seed", "42", 42),
         ("--hf-checkpoint", "model.hf_checkpoint", "/models/x", "/models/x"),
+        # slime flags with the same meaning and unit as a Miles key (slime/utils/arguments.py, Megatron's --clip-grad)
+        ("--entropy-coef", "algorithm.entropy_coef", "0.001", 0.001),
+        ("--eps-clip-c", "algorithm.clip_c", "3", 3.0),
+        ("--value-clip", "algorithm.value_clip", "0.3", 0.3),
+        ("--gamma", "algorithm.gamma", "0.99", 0.99),
+        ("--lambd", "algorithm.lam", "0.9", 0.9),
+        ("--num-steps-per-rollout", "train.updates_per_rollout", "4", 4),
+        ("--clip-grad", "train.grad_clip", "0.5", 0.5),
     ],
 )
 def test_slime_flags(flag, key, value, expected):

@@ -3,6 +3,23 @@
 Any config key also works as a flag (``--rollout.top_p 0.9``) or as ``key=value``.
 ``--sglang-KEY VALUE`` sets ``rollout.sglang.server_args.KEY`` (options for launched SGLang servers).
 
+Each flag below means what slime's flag of that name means (slime/utils/arguments.py; Megatron's for --lr, --seed,
+--save, --load, --save-interval, --micro-batch-size, --clip-grad), in the same unit: --rollout-batch-size counts
+prompts (samples = prompts * --n-samples-per-prompt), --micro-batch-size samples per forward/backward on one rank,
+--num-rollout and --save-interval rollout steps (a checkpoint also after the last), --num-steps-per-rollout optimizer
+steps per rollout batch, --eps-clip-high None = --eps-clip, --eps-clip-c the dual-clip bound (> 1). Where Miles differs:
+
+* --hf-checkpoint is the weights Miles trains from; slime takes them from --load / --ref-load (a Megatron checkpoint,
+  usually converted from that folder) and reads --hf-checkpoint for the architecture and tokenizer.
+* --load / --save are Miles folders (--load: a --save folder to resume, or an HF folder); a slime Megatron
+  checkpoint is not read, and --ref-load is refused (Miles' reference is the policy at the start of RL).
+* --custom-rm-path takes slime's dotted module.function, but the function is Miles' fn(sample) -> float;
+  slime's fn(args, sample) is refused at start-up, naming its signature.
+* --max-tokens-per-micro-batch, --save-rollouts, --load-rollouts and --resume are Miles' own flags, not slime's
+  (slime: --max-tokens-per-gpu with --use-dynamic-batch-size; --save-debug-rollout-data, a different format).
+* slime's --rollout-temperature must be > 0; Miles takes 0 as greedy. --rollout-top-k is not mapped (slime's -1
+  for off is Miles' rollout.top_k=0).
+
 ``--advantage-estimator gspo`` is slime's GRPO advantage with GSPO's sequence-level ratio in the loss: Miles'
 ``advantage_estimator=grpo`` with ``policy_loss=gspo``. slime's cispo has no Miles counterpart (refused at start-up).
 
@@ -41,6 +58,13 @@ SLIME_FLAGS: dict[str, str] = {
     "--custom-rm-path": "reward.name",
     "--save-rollouts": "run.save_rollouts",
     "--load-rollouts": "run.load_rollouts",
+    "--entropy-coef": "algorithm.entropy_coef",
+    "--eps-clip-c": "algorithm.clip_c",
+    "--value-clip": "algorithm.value_clip",
+    "--gamma": "algorithm.gamma",
+    "--lambd": "algorithm.lam",
+    "--num-steps-per-rollout": "train.updates_per_rollout",
+    "--clip-grad": "train.grad_clip",
 }
 
 # slime's --advantage-estimator values that are two keys in Miles (gspo: GRPO advantages, GSPO's sequence-level ratio)
