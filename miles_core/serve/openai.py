@@ -24,7 +24,15 @@ def _render_chat(tokenizer, messages) -> list[int]:
         raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
     hf = getattr(tokenizer, "tok", None)
     if hf is not None and getattr(hf, "chat_template", None):
-        return list(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        # rendered as text, then encoded as the RL loop encodes it (data.tokenizer.HFTokenizer.render_chat): with
+        # tokenize=True, transformers 5 returns a BatchEncoding, which list() turns into its keys
+        try:
+            text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # a template that refuses the messages (Gemma's: "System role not supported")
+            roles = ", ".join(str(m.get("role")) for m in messages)
+            raise BadRequest(f"'messages': the model's chat template cannot render roles [{roles}]: "
+                             f"{type(exc).__name__}: {' '.join(str(exc).split())}") from None
+        return tokenizer.encode(text)
     text = "".join(f"{m.get('role', 'user')}: {m['content']}\n" for m in messages) + "assistant:"
     return tokenizer.encode(text)
 

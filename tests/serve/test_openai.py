@@ -2,6 +2,7 @@
 gives for the same prompt and sampling, and a stream's deltas join to the non-streamed answer."""
 
 import pytest
+import torch
 
 
 def generate(client, prompt, **sampling):
@@ -154,3 +155,50 @@ def test_a_flag_that_is_not_a_boolean_is_a_400(client):
         assert status == 400 and reason in out["error"]["message"], (path, body, out)
     status, out = client.post("/v1/chat/completions", {**chat, "stream": None, "logprobs": None})
     assert status == 200 and out["object"] == "chat.completion" and out["choices"][0]["logprobs"] is None
+
+
+@pytest.fixture(scope="module")
+def templated(tmp_path_factory):
+    """A server whose model folder has an HF tokenizer with a Gemma-like chat template (no system role)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from miles_core.data.tokenizer import HFTokenizer
+    from miles_core.models.checkpoint import save_hf_folder
+    from miles_core.models.decoder import Decoder, DecoderConfig
+    from miles_core.plugins.manager import MilesPlugins
+    from miles_core.rollout.engine_core.config import EngineConfig
+    from miles_core.serve.app import build_server
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(["<user>what is 2+2<assistant>4"] * 5, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    hf_tok.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                            "{% endif %}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>")
+    tok = HFTokenizer.wrap(hf_tok)
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
+    path = tmp_path_factory.mktemp("serve") / "templated"
+    save_hf_folder(model, MilesPlugins().registries.model_families.get("llama"), path, tok.files())
+    srv = build_server(str(path), port=0, device="cpu", engine=EngineConfig(block_size=4, decode_steps=2))
+    srv.start()
+    yield srv
+    srv.shutdown()
+
+
+def test_chat_renders_the_model_s_chat_template(templated, client_for):
+    """The prompt is the chat template's text, tokenized (transformers 5's apply_chat_template(tokenize=True) gives a
+    BatchEncoding, whose list was its keys); a template that refuses the messages is a 400 naming why, not a 500."""
+    client = client_for(templated.port)
+    messages = [{"role": "user", "content": "what is 2+2"}]
+    status, out = client.post("/v1/chat/completions", {"messages": messages, "max_tokens": 4, "temperature": 0})
+    assert status == 200, out
+    ids = templated.tokenizer.encode("<user>what is 2+2<assistant>")
+    assert out["usage"]["prompt_tokens"] == len(ids)
+    ref = generate(client, ids, max_new_tokens=4, temperature=0)
+    assert out["choices"][0]["message"]["content"] == ref["text"]
+    status, out = client.post("/v1/chat/completions", {"messages": [{"role": "system", "content": "be brief"}, *messages]})
+    assert status == 400, out
+    assert "chat template" in out["error"]["message"] and "System role not supported" in out["error"]["message"]
