@@ -4,7 +4,8 @@ Request fields: ``prompt`` (text or token ids) or ``messages`` (chat; rendered w
 tokenizer's chat template when it has one, else ``role: content`` lines), ``max_tokens`` or
 ``max_completion_tokens`` (absent: 16 for a completion, a chat to its end, as OpenAI's and SGLang's),
 ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``, ``logprobs`` (completions: an int = top-k;
-chat: a bool with ``top_logprobs``), ``stream``. Responses follow OpenAI's ``text_completion`` /
+chat: a bool with ``top_logprobs``), ``stream``, and SGLang's ``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``;
+penalties, ``min_tokens`` and ``logit_bias`` other than their neutral values are refused (400). Responses follow OpenAI's ``text_completion`` /
 ``chat.completion`` objects, with ``usage``.
 """
 
@@ -17,6 +18,11 @@ from miles_core.serve.detokenize import StreamText
 from miles_core.serve.protocol import BadRequest, GenerateItem, flag, parse_sampling
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+# request field -> /generate's sampling_params key: OpenAI's, then SGLang's extras to them (its OpenAI server takes them too)
+_SAMPLING = (("temperature", "temperature"), ("top_p", "top_p"), ("n", "n"), ("stop", "stop"), ("seed", "sampling_seed"),
+             ("top_k", "top_k"), ("min_p", "min_p"), ("stop_token_ids", "stop_token_ids"), ("ignore_eos", "ignore_eos"))
+# fields of OpenAI's (and SGLang's) the engine does not implement -> the value that means "off"
+_UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_tokens": 0, "logit_bias": {}}
 
 
 def _render_chat(tokenizer, messages) -> list[int]:
@@ -57,7 +63,10 @@ def _item(server, body: dict, chat: bool) -> GenerateItem:
     # absent: OpenAI's (and SGLang's) defaults, 16 tokens for a completion, a chat's to its end (the context's limit)
     default = server.engine.core.max_model_len if chat else 16
     sp = {"max_new_tokens": body.get("max_completion_tokens") or body.get("max_tokens") or default}
-    for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("n", "n"), ("stop", "stop"), ("seed", "sampling_seed")):
+    for key, neutral in _UNSUPPORTED.items():  # refused, not dropped: the request would run with other sampling than asked
+        if body.get(key) not in (None, neutral):
+            raise BadRequest(f"'{key}' is not supported by the built-in engine (leave it out or at {neutral!r})")
+    for src, dst in _SAMPLING:
         if body.get(src) is not None:
             sp[dst] = body[src]
     params, n = parse_sampling(sp)
