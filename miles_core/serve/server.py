@@ -31,7 +31,7 @@ from miles_core.rollout.engine_core.request import Request
 from miles_core.rollout.engine_core.threaded import ThreadedEngine
 from miles_core.serve import openai
 from miles_core.serve.detokenize import StreamText
-from miles_core.serve.protocol import BadRequest, GenerateItem, memory_tags, parse_generate, response
+from miles_core.serve.protocol import BadRequest, GenerateItem, flag, memory_tags, parse_generate, response
 from miles_core.serve.weight_sync import DistributedReceiver
 
 
@@ -296,7 +296,7 @@ def _make_handler(server: MilesServer):
             self._send(200, outs if batch else outs[0])
 
         def abort_request(self, body):
-            if body.get("abort_all"):
+            if flag(body.get("abort_all"), "'abort_all'"):  # not truthiness: "false" would abort every request
                 n = server.engine.call(lambda core: sum(core.abort(r) for r in list(core.requests)))
                 self._send(200, {"success": True, "aborted": n})
                 return

@@ -501,6 +501,22 @@ def test_abort_by_rid_ends_the_group_it_named_and_no_other_request(client, serve
     assert results["g-x"][1]["meta_info"]["finish_reason"]["type"] == "abort"
 
 
+
+def test_abort_all_that_is_not_a_boolean_is_a_400_and_aborts_nothing(client, server):
+    """``abort_all`` was read by truthiness: ``{"rid": "mine", "abort_all": "false"}`` aborted every request on the
+    server (other clients' rollouts among them), not the one it named."""
+    t, result = _long_generation(client, server, "4", "bystander")
+    try:
+        for value in ("false", 0, "no"):
+            status, out = client.post("/abort_request", {"rid": "mine", "abort_all": value})
+            assert status == 400 and "'abort_all' must be true or false" in out["error"]["message"], (value, out)
+        assert server.engine.core.requests["bystander"].finish_reason is None  # still running
+        assert client.post("/abort_request", {"rid": "mine", "abort_all": False}) == (200, {"success": False})
+    finally:
+        assert client.post("/abort_request", {"rid": "bystander"})[1]["success"]
+        t.join(30)
+    assert result["out"][1]["meta_info"]["finish_reason"]["type"] == "abort"
+
 def test_health_generate_answers_503_when_nothing_can_run(client, server):
     """Paused, the one-token probe cannot run: 503 once server.health_timeout_s has passed (SGLang answers 503 after
     its 20 s), and the probe's request is aborted rather than left in the queue; after continue, 200."""
