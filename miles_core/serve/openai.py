@@ -84,18 +84,21 @@ def _item(server, body: dict, chat: bool) -> GenerateItem:
     return GenerateItem(ids, params, n, None, want, top)
 
 
-def _logprobs(server, req, chat: bool):
-    toks = [server.tokenizer.decode([t]) for t in req.output_ids]
+def _logprobs(server, req, chat: bool, start: int = 0, stop: int | None = None):
+    """The logprobs of ``req``'s output tokens ``[start:stop]`` (a stream chunk's; the engine thread may have appended more)."""
+    stop = len(req.output_ids) if stop is None else stop
+    toks = [server.tokenizer.decode([t]) for t in req.output_ids[start:stop]]
+    lps, rows = req.logprobs[start:stop], req.top_logprobs[start:stop] if req.top_logprobs else None
     if chat:
         content = []
-        for i, (t, lp) in enumerate(zip(toks, req.logprobs)):
-            tops = req.top_logprobs[i] if req.top_logprobs else []
+        for i, (t, lp) in enumerate(zip(toks, lps)):
+            tops = rows[i] if rows else []
             content.append({"token": t, "logprob": lp, "top_logprobs": [{"token": server.tokenizer.decode([j]), "logprob": v} for j, v in tops]})
         return {"content": content}
     return {
         "tokens": toks,
-        "token_logprobs": list(req.logprobs),
-        "top_logprobs": [{server.tokenizer.decode([j]): v for j, v in row} for row in req.top_logprobs] if req.top_logprobs else None,
+        "token_logprobs": list(lps),
+        "top_logprobs": [{server.tokenizer.decode([j]): v for j, v in row} for row in rows] if rows else None,
     }
 
 
@@ -136,12 +139,14 @@ def completions(handler, server, body, chat: bool) -> None:
         sent = {r.request_id: 0 for r in reqs}  # characters streamed so far
         texts = {r.request_id: server.stream_text(r) for r in reqs}  # the text of the tokens this thread has seen (the engine may be ahead)
         index = {r.request_id: i for i, r in enumerate(reqs)}
+        tokens = {r.request_id: [0, 0] for r in reqs}  # output tokens seen so far, and those whose logprobs were sent
         left = len(reqs)
         try:
             while left:
                 out = sink.get()
                 left -= out.finished
                 rid, req = out.request_id, out.request
+                tokens[rid][0] += len(out.new_ids)
                 step = stream_delta(server, req, texts[rid], out.new_ids, out.finished, sent[rid])
                 if step is None:
                     continue  # nothing settled yet
@@ -152,6 +157,9 @@ def completions(handler, server, body, chat: bool) -> None:
                     choice["delta"] = {"role": "assistant", "content": delta} if first else {"content": delta}
                 else:
                     choice["text"] = delta
+                if item.return_logprob:  # the tokens since the last chunk: joined, the non-streamed answer's logprobs
+                    choice["logprobs"] = _logprobs(server, req, chat, tokens[rid][1], tokens[rid][0])
+                    tokens[rid][1] = tokens[rid][0]
                 handler._event({"id": oid, "object": kind + ".chunk" if chat else kind, "created": created, "model": model, "choices": [choice]})
             handler._event(b"[DONE]")
         except (BrokenPipeError, ConnectionResetError):

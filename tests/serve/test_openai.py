@@ -228,3 +228,29 @@ def test_sampling_knobs_are_honoured_or_refused_not_ignored(client):
             assert status == 400 and key in res["error"]["message"], (path, key, res)
     neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "logit_bias": {}}
     assert client.post("/v1/completions", {"prompt": "7*", "max_tokens": 8, "temperature": 0, **neutral})[1]["choices"][0]["text"] == greedy["text"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_stream_carries_the_logprobs_it_was_asked_for(client, chat):
+    """A stream with logprobs had none in any chunk (the request's logprobs were dropped without a word); each chunk now
+    carries the logprobs of the tokens since the previous one, so that joined they are the non-streamed answer's."""
+    if chat:
+        body = {"messages": [{"role": "user", "content": "9*9"}], "logprobs": True, "top_logprobs": 2}
+    else:
+        body = {"prompt": "9*9=", "logprobs": 2}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {**body, "max_tokens": 10, "temperature": 0}
+    final = client.post(path, body)[1]["choices"][0]["logprobs"]
+    events = client.stream(path, {**body, "stream": True})
+    parts = [e["choices"][0]["logprobs"] for e in events]
+    if chat:
+        joined = [c for p in parts for c in p["content"]]
+        assert [c["token"] for c in joined] == [c["token"] for c in final["content"]] and len(joined) == 10
+        assert [c["logprob"] for c in joined] == pytest.approx([c["logprob"] for c in final["content"]], abs=1e-5)
+        assert [len(c["top_logprobs"]) for c in joined] == [2] * 10
+    else:
+        assert [t for p in parts for t in p["tokens"]] == final["tokens"] and len(final["tokens"]) == 10
+        assert [lp for p in parts for lp in p["token_logprobs"]] == pytest.approx(final["token_logprobs"], abs=1e-5)
+        assert [len(row) for p in parts for row in p["top_logprobs"]] == [len(row) for row in final["top_logprobs"]]
+    plain = client.stream(path, {**body, "stream": True, "logprobs": False if chat else None})
+    assert all(e["choices"][0].get("logprobs") is None for e in plain)
