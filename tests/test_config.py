@@ -166,6 +166,8 @@ def test_bad_value_names_the_key():
     ("train.adam_beta2=1", r"train.adam_beta2 must be in \[0, 1\), got 1.0"),
     ("train.adam_beta2=-0.1", r"train.adam_beta2 must be in \[0, 1\), got -0.1"),
     ("train.weight_decay=-0.01", "train.weight_decay must be >= 0, got -0.01"),
+    # a negative max norm turned clipping off as 0 does, where the doc names only 0
+    ("train.grad_clip=-1", r"train.grad_clip must be >= 0 \(0 disables clipping\), got -1.0"),
     # the cosine schedule ended on a negative rate (gradient ascent), or rose from train.lr to a floor above it
     ("train.min_lr=-1e-6", "train.min_lr must be >= 0, got -1e-06"),
     (["train.lr_decay=cosine", "train.lr=1e-5", "train.min_lr=1e-4"], r"train.min_lr \(0.0001\) must not exceed train.lr \(1e-05\)"),

@@ -42,6 +42,8 @@ class TrainConfig:
         for key in ("adam_beta1", "adam_beta2"):  # AdamW's own range; a resume sets them on its groups unchecked
             if not 0 <= getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(self, key)}")
+        if self.grad_clip < 0:  # the trainers take any value <= 0 for no clipping; only 0 is documented as that
+            raise ConfigError(f"train.grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
         if self.weight_decay < 0:
             raise ConfigError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
         if self.min_lr < 0:  # the cosine schedule would end on a negative rate: gradient ascent
