@@ -158,6 +158,8 @@ def test_a_tensor_of_the_wrong_shape_is_named(tmp_path):
     (lambda c: c.update(num_hidden_layers="2"), r"config.json: cannot build a llama model from it"),
     # a negative RoPE base made every rotary frequency but the first nan, and so every logit
     (lambda c: c.update(rope_theta=-10000.0), r"config.json: cannot build a llama model from it \(rope_theta must be > 0"),
+    # 0 was read as absent ('rope_theta or ...') and the model ran silently with the default base 10000
+    (lambda c: c.update(rope_theta=0), r"config.json: cannot build a llama model from it \(rope_theta must be > 0, got 0.0\)"),
 ])
 def test_a_config_json_without_a_needed_key_is_named(tmp_path, edit, message):
     import json

@@ -28,8 +28,12 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 
 
 def theta_from_hf(hf: dict[str, Any]) -> float:
-    """The RoPE base of an HF config (``rope_theta``, or inside transformers 5's ``rope_parameters``)."""
-    return float(hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    """The RoPE base of an HF config (``rope_theta``, or inside transformers 5's ``rope_parameters``). A base of 0 is
+    returned as it is (not taken for an absent key), for :func:`inv_freq` to refuse."""
+    theta = hf.get("rope_theta")
+    if theta is None:
+        theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    return float(theta)
 
 
 def scaling_from_hf(hf: dict[str, Any]) -> dict[str, Any] | None:
