@@ -102,6 +102,26 @@ def test_same_logprobs_loss_and_update_as_torch_trainer(megatron_cpu, qk_norm, t
     assert firm_count > 0.5 * sum(int((g != 0).sum()) for g in grads_t.values())  # most updated elements checked tightly
 
 
+def test_a_non_integer_rope_base_gives_the_torch_trainers_logprobs(megatron_cpu):
+    """rotary_base was passed to Megatron as int(rope_theta): a base of 2.5 ran as 2, so the Megatron trainer computed
+    other logprobs than the torch trainer and the engine for the same weights."""
+    from miles_core.train.megatron.trainer import MegatronTrainer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dec = Decoder(DecoderConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                intermediate_size=48, rope_theta=2.5))
+    with torch.no_grad():
+        for name, p in dec.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    cfg = _config("token_mean")
+    state = {k: v.clone() for k, v in dec.state_dict().items()}
+    lp_t = TorchTrainer(dec, cfg, torch.device("cpu"), FP32, KERNELS).compute_logprobs(batch())
+    lp_m = MegatronTrainer(arch_from_decoder(dec.config), state, cfg, torch.device("cpu"), FP32, KERNELS).compute_logprobs(batch())
+    assert lp_t.abs().max() > 1.0
+    torch.testing.assert_close(lp_m, lp_t, atol=1e-5, rtol=0)
+
+
 def _megatron_grads(trainer) -> dict[str, torch.Tensor]:
     return trainer.to_hf({n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None})
 

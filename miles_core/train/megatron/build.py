@@ -182,6 +182,6 @@ def build_gpt(arch: Arch, mcfg: MegatronConfig, device: torch.device, bf16: bool
         post_process=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_base=int(arch.rope_theta),
+        rotary_base=arch.rope_theta,  # a float: megatron-core computes base ** (2i / D) in fp32; int() dropped its fraction
     )
     return model.to(device)
