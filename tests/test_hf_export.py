@@ -154,3 +154,62 @@ def test_an_hf_model_s_own_eos_ids_end_rl_rollouts_and_travel_with_its_checkpoin
     save_hf_folder(model, MilesPlugins(autoload=False).registries.model_families.get("llama"), tmp_path / "ckpt", tokenizer_files(tok))
     assert json.loads((tmp_path / "ckpt" / "generation_config.json").read_text())["temperature"] == 0.6  # the file as it was
     assert load_tokenizer(tmp_path / "ckpt").stop_token_ids == [tok.eos_token_id, stop]
+
+
+def _folder_without_eos(path: Path, generation_eos: int | None) -> None:
+    """A llama folder whose tokenizer names no eos (nor pad); ``generation_eos``: the id its generation_config.json
+    names (what the model itself stops on), else none anywhere."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from miles_core.data.tokenizer import HFTokenizer
+    from miles_core.models.checkpoint import save_hf_folder
+    from miles_core.models.decoder import Decoder, DecoderConfig
+    from miles_core.orchestration.build import tokenizer_files
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(["reverse the string: abcdef"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<end>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = HFTokenizer.wrap(PreTrainedTokenizerFast(tokenizer_object=bpe))
+    assert tok.eos_token_id is None and tok.pad_token_id is None
+    model = Decoder(DecoderConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
+    save_hf_folder(model, MilesPlugins(autoload=False).registries.model_families.get("llama"), path, tokenizer_files(tok))
+    if generation_eos is not None:
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [generation_eos]}))
+
+
+def test_a_tokenizer_without_eos_takes_the_model_s_own(tmp_path):
+    """A tokenizer that names no eos put None into every SFT response (and into reference answers), and padded with
+    None: make_train_batch then failed with "full(): argument 'fill_value' must be Number, not NoneType". The id
+    the model's generation_config.json names is its eos: it closes SFT responses and pads."""
+    from miles_core.data.sft import sft_sample
+    from miles_core.data.tokenizer import load_tokenizer
+    from miles_core.train.batch import make_train_batch
+
+    _folder_without_eos(tmp_path / "hf", generation_eos=0)
+    tok = load_tokenizer(tmp_path / "hf")
+    assert (tok.eos_token_id, tok.pad_token_id, tok.stop_token_ids) == (0, 0, [0])
+    sample = sft_sample("reverse the string: ab", [("ba", True)], tok, 0)
+    assert sample.response_ids == tok.encode("ba") + [0] and sample.loss_mask == [1] * len(sample.response_ids)
+    assert make_train_batch([sample], tok.pad_token_id).input_ids[0].tolist() == sample.prompt_ids + sample.response_ids
+
+
+@pytest.mark.parametrize("mode, message", [
+    (["run.mode=sft"], r"has no eos token .*: run.mode=sft ends every response with it"),
+    (["train.sft_warmup_steps=2"], r"has no eos token .*: train.sft_warmup_steps ends every response with it"),
+    (["run.mode=rl"], r"has neither a pad nor an eos token: training batches are padded with one"),
+])
+def test_a_tokenizer_without_any_eos_is_refused_at_start_up(tmp_path, mode, message):
+    from miles_core.config.loader import load_config
+    from miles_core.errors import ConfigError
+    from miles_core.orchestration.build import build
+
+    _folder_without_eos(tmp_path / "hf", generation_eos=None)
+    cfg = load_config(None, [f"model.hf_checkpoint={tmp_path / 'hf'}", *mode])
+    with pytest.raises(ConfigError, match=f"^the tokenizer of '{tmp_path / 'hf'}' {message}"):
+        build(cfg, MilesPlugins(), None)
+    build(load_config(None, [f"model.hf_checkpoint={tmp_path / 'hf'}", "run.mode=rollout"]), MilesPlugins(), None)  # trains on nothing

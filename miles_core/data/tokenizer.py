@@ -77,6 +77,9 @@ class HFTokenizer:
             raise ConfigError(f"cannot load a tokenizer from '{path}': {' '.join(str(exc).split())}") from None
         self._setup()
         self.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids, *hf_eos_token_ids(path)]))
+        if self.eos_token_id is None and self.stop_token_ids:  # the tokenizer names none: the model's own ends responses
+            self.eos_token_id = self.stop_token_ids[0]
+            self.pad_token_id = self.eos_token_id if self.pad_token_id is None else self.pad_token_id
         gen = Path(path) / "generation_config.json"
         self._generation_config = gen.read_bytes() if gen.is_file() else None
 

@@ -139,6 +139,20 @@ def check_resume_data(cfg: MilesConfig, task: Task) -> None:
     check_data_fingerprint(ckpt, state.data_fingerprint, getattr(task, "data_fingerprint", None), cfg.data.allow_changed_on_resume)
 
 
+def check_tokenizer_tokens(cfg: MilesConfig, tokenizer, source: str) -> None:
+    """The special tokens a run writes into its samples: an SFT response ends with the eos, and training batches are
+    padded with the pad token (or the eos). An HF tokenizer may name neither (and no config file an eos id): None in
+    the token ids failed later in make_train_batch, with no word of the tokenizer."""
+    sft = "run.mode=sft" if cfg.run.mode == "sft" else "train.sft_warmup_steps" if cfg.train.sft_warmup_steps else None
+    if tokenizer.eos_token_id is None and sft:
+        raise ConfigError(f"the tokenizer of '{source}' has no eos token (its tokenizer_config.json names no eos_token, "
+                          f"config.json and generation_config.json no eos_token_id): {sft} ends every response with it; "
+                          "set eos_token in tokenizer_config.json")
+    if tokenizer.pad_token_id is None and cfg.run.mode != "rollout":
+        raise ConfigError(f"the tokenizer of '{source}' has neither a pad nor an eos token: training batches are padded "
+                          "with one; set pad_token or eos_token in its tokenizer_config.json")
+
+
 def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> Components:
     regs = plugins.registries
     check_run_folders(cfg)
@@ -155,6 +169,7 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
         tokenizer = HFTokenizer.wrap(hf_tok)
     else:
         tokenizer = load_tokenizer(Path(source)) if source else CharTokenizer()
+    check_tokenizer_tokens(cfg, tokenizer, str(gguf or source))
     kernels = Kernels(plugins, platform.name)
     ctx = RunContext(cfg, plugins, tokenizer, device, platform.name, kernels, output_dir)
     task_factory = regs.tasks.get(cfg.data.task, key="data.task")
