@@ -30,6 +30,9 @@ def test_prompts_labels_and_metadata(tmp_path):
     ("[1, 2]", "d.jsonl:2: expected a JSON object, got list"),
     ('{"x": "y"}', "d.jsonl:2: missing key 'q'"),
     ("{not json", "d.jsonl:2: not valid JSON"),
+    # every response contains '' (contains_answer gave each 1.0) and an empty response matched it exactly
+    ('{"q": "x", "a": ""}', r"d.jsonl:2: 'a' is empty \(no answer to check a response against\)"),
+    ('{"q": "x", "a": " \\n"}', r"d.jsonl:2: 'a' is empty"),
 ])
 def test_a_bad_line_is_named(tmp_path, line, message):
     path = _write(tmp_path, [json.dumps({"q": "ok"}), line])
@@ -96,3 +99,20 @@ def test_an_sft_example_with_an_empty_prompt_is_named_at_start_up(tmp_path):
         read_sft_examples(path, "q", "r", CharTokenizer())
     ok = read_sft_examples(_write(tmp_path, [json.dumps({"q": "x?", "r": "cd"})], "ok.jsonl"), "q", "r", CharTokenizer())
     assert [(s.prompt_ids, s.response_ids, s.loss_mask) for s in ok] == [([49, 21], [28, 29, 1], [1, 1, 1])]
+
+
+def test_contains_answer_scores_the_label_and_refuses_an_empty_one():
+    """An empty or whitespace label (from a task other than jsonl, whose reader refuses it) gave every response
+    reward 1.0: every string contains ''. It is now an error naming the sample."""
+    from miles_core.rewards.plugin import contains_answer
+    from miles_core.rewards.runner import RewardError, score_samples
+    from miles_core.types import Sample
+
+    def sample(response, label, index=0):
+        return Sample("what is 6*7?", [1], [2], response, [], label=label, index=index)
+
+    assert score_samples(contains_answer, "contains_answer", [sample("so it is 42.", 42), sample("41", " 42 ", 1),
+                                                              sample("no label", None, 2)], 30.0) == [1.0, 0.0, 0.0]
+    with pytest.raises(RewardError, match=r"^reward 'contains_answer' raised ValueError: the label is empty .*"
+                                          r"\(sample 3, prompt 'what is 6\*7\?'\)"):
+        score_samples(contains_answer, "contains_answer", [sample("42", 42), sample("anything", "  ", 3)], 30.0)

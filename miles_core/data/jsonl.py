@@ -89,6 +89,9 @@ def read_prompts(path: str, prompt_key: str, label_key: str, fingerprint: Finger
             _check_messages(meta["messages"], where)
         if not row[prompt_key] and "messages" not in meta:  # no tokens to generate from (messages: the loop renders them)
             raise DataError(f"{where}: '{prompt_key}' is empty")
+        if isinstance(row.get(label_key), str) and not row[label_key].strip():  # contained in every response
+            raise DataError(f"{where}: '{label_key}' is empty (no answer to check a response against); "
+                            "leave the key out for a prompt without one")
         prompts.append(Prompt(text=row[prompt_key], label=row.get(label_key), metadata=meta, source=where))
     if not prompts:
         raise DataError(f"data file '{path}' has no prompts")

@@ -10,7 +10,12 @@ def exact_match(sample: Sample) -> float:
 
 
 def contains_answer(sample: Sample) -> float:
-    return 1.0 if sample.label is not None and str(sample.label).strip() in sample.response else 0.0
+    if sample.label is None:
+        return 0.0
+    answer = str(sample.label).strip()
+    if not answer:  # '' is in every response: each would score 1.0
+        raise ValueError(f"the label is empty ({sample.label!r}): every response contains it")
+    return 1.0 if answer in sample.response else 0.0
 
 
 @hookimpl
