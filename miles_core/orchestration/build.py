@@ -18,6 +18,8 @@ from torch import nn
 from miles_core.config.schema import MilesConfig
 from miles_core.context import RunContext
 from miles_core.data.base import Task
+from miles_core.data.jsonl import JsonlTask
+from miles_core.data.synthetic import ReverseTask
 from miles_core.data.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer, HFTokenizer, load_tokenizer
 from miles_core.errors import ConfigError, DataError, MilesUserError, PluginError
 from miles_core.kernels.base import Kernels
@@ -139,6 +141,32 @@ def check_resume_data(cfg: MilesConfig, task: Task) -> None:
     check_data_fingerprint(ckpt, state.data_fingerprint, getattr(task, "data_fingerprint", None), cfg.data.allow_changed_on_resume)
 
 
+def check_char_alphabet(made: Task, task: Task, tokenizer: CharTokenizer) -> None:
+    """The tiny models' character tokenizer encodes a character outside its alphabet as <unk> and decodes none back: a
+    prompt with one is trained on as <unk>, and a reference answer with one no response can spell (reward 0 throughout,
+    no error). Checked at start-up: the reverse task's alphabet, the JSONL task's training prompts, and every task's
+    held-out prompts with their reference answers."""
+    checks: list[tuple[str, str, str]] = []  # (where, what, text)
+    if isinstance(made, ReverseTask):
+        checks.append((f"data.task_options.alphabet {made.alphabet!r}", "", made.alphabet))
+    prompts = [*(made.train if isinstance(made, JsonlTask) else []), *task.eval_prompts()]
+    for i, p in enumerate(prompts):
+        where = p.source or f"held-out prompt {i} of task '{made.name}'"
+        checks.append((where, f": the prompt {p.text!r}", p.text))
+        ref = task.reference(p)
+        if isinstance(ref, str):
+            checks.append((where, f": the reference answer {ref!r}", ref))
+    known = set(tokenizer.alphabet)
+    for where, what, text in checks:
+        unknown = sorted(set(text) - known)
+        if unknown:
+            error = ConfigError if not what else DataError
+            raise error(f"{where}{what} has characters the built-in character tokenizer does not: "
+                        f"{', '.join(map(repr, unknown))} (its alphabet: {tokenizer.alphabet!r}); they would be read as "
+                        "<unk> and no response could spell them: use those characters only, or an HF model "
+                        "(model.hf_checkpoint) whose tokenizer has them")
+
+
 def check_tokenizer_tokens(cfg: MilesConfig, tokenizer, source: str) -> None:
     """The special tokens a run writes into its samples: an SFT response ends with the eos, and training batches are
     padded with the pad token (or the eos). An HF tokenizer may name neither (and no config file an eos id): None in
@@ -179,6 +207,8 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
     if not task.eval_prompts():
         raise ConfigError(f"task '{cfg.data.task}' has no held-out prompts (set data.eval_path)")
     check_resume_data(cfg, task)
+    if isinstance(tokenizer, CharTokenizer):
+        check_char_alphabet(made, task, tokenizer)
     reward_fn, reward_name = resolve_reward(cfg, plugins, made)  # reward.name=task: the reward runner names the sample
     model, family = (gguf_model, gguf_family) if gguf is not None else build_model(cfg, plugins, tokenizer)
     if model.config.vocab_size < tokenizer.vocab_size:
