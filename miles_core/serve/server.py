@@ -416,10 +416,18 @@ class _HTTPError(Exception):
 
 
 def _version(body: dict) -> int | None:
+    """The body's ``weight_version``: a whole number (SGLang sends it as text: "3"), or None. int() alone took 2.7 for 2
+    and true for 1."""
     v = body.get("weight_version")
     if v is None:
         return None
-    try:
+    if isinstance(v, float) and v.is_integer():
         return int(v)
-    except (TypeError, ValueError):
-        raise BadRequest(f"weight_version must be an integer, got {v!r}") from None
+    if isinstance(v, str):
+        try:
+            return int(v)
+        except ValueError:
+            pass
+    elif isinstance(v, int) and not isinstance(v, bool):
+        return v
+    raise BadRequest(f"weight_version must be a whole number, got {v!r}")

@@ -517,6 +517,18 @@ def test_abort_all_that_is_not_a_boolean_is_a_400_and_aborts_nothing(client, ser
         t.join(30)
     assert result["out"][1]["meta_info"]["finish_reason"]["type"] == "abort"
 
+def test_a_weight_version_that_is_not_a_whole_number_is_a_400_and_loads_nothing(client, server, model_dir):
+    """weight_version 2.7 was stored as 2 and true as 1, silently: the trainer's version and the samples' disagreed."""
+    before = server.engine.core.weight_version
+    for value in (2.7, True, "2.5", [3]):
+        status, out = client.post("/update_weights_from_disk", {"model_path": str(model_dir), "weight_version": value})
+        assert status == 400 and "weight_version must be a whole number" in out["error"]["message"], (value, out)
+    assert server.engine.core.weight_version == before
+    for value, want in ((before + 2, before + 2), (float(before + 3), before + 3), (str(before + 4), before + 4)):
+        status, out = client.post("/update_weights_from_disk", {"model_path": str(model_dir), "weight_version": value})
+        assert status == 200 and out["weight_version"] == str(want), (value, out)
+
+
 def test_health_generate_answers_503_when_nothing_can_run(client, server):
     """Paused, the one-token probe cannot run: 503 once server.health_timeout_s has passed (SGLang answers 503 after
     its 20 s), and the probe's request is aborted rather than left in the queue; after continue, 200."""
