@@ -292,3 +292,11 @@ def test_a_rollout_batch_of_no_sequences_is_refused_by_its_key():
     'engine.max_num_seqs must be >= 1', a key the user cannot set."""
     with pytest.raises(ConfigError, match="rollout.max_batch_size must be >= 1, got 0"):
         load_config(None, ["rollout.max_batch_size=0"])
+
+
+def test_a_negative_thread_count_is_refused_by_its_key():
+    """run.num_threads=-2 was ignored in a local run, and under a Ray placement reached torch.set_num_threads(-2) in
+    every actor, which died with a RayActorError traceback ('set_num_threads expects a positive integer')."""
+    with pytest.raises(ConfigError, match=r"run.num_threads must be >= 0 \(0 leaves torch's default\), got -2"):
+        load_config(None, ["run.num_threads=-2"])
+    assert load_config(None, ["run.num_threads=0"]).run.num_threads == 0

@@ -37,6 +37,8 @@ class RunConfig:
             raise ConfigError(f"run.save_interval must be >= 0, got {self.save_interval}")
         if self.eval_every < 1:
             raise ConfigError(f"run.eval_every must be >= 1, got {self.eval_every}")
+        if self.num_threads < 0:  # under Ray it reached torch.set_num_threads in each actor, which died of it
+            raise ConfigError(f"run.num_threads must be >= 0 (0 leaves torch's default), got {self.num_threads}")
 
 
 @dataclass
