@@ -300,3 +300,22 @@ def test_a_negative_thread_count_is_refused_by_its_key():
     with pytest.raises(ConfigError, match=r"run.num_threads must be >= 0 \(0 leaves torch's default\), got -2"):
         load_config(None, ["run.num_threads=-2"])
     assert load_config(None, ["run.num_threads=0"]).run.num_threads == 0
+
+
+@pytest.mark.parametrize("override, error", [
+    ("orchestration.engine_num_cpus=-1", r"orchestration.engine_num_cpus must be >= 0, got -1"),
+    ("orchestration.trainer_num_gpus=-0.5", r"orchestration.trainer_num_gpus must be >= 0, got -0.5"),
+    ("orchestration.engine_num_cpus=0", r"an engine actor asks for no resources: set orchestration.engine_num_cpus or engine_num_gpus > 0"),
+    ("orchestration.trainer_num_cpus=0", r"a trainer actor asks for no resources: set orchestration.trainer_num_cpus or trainer_num_gpus > 0"),
+])
+def test_ray_resources_ray_refuses_are_refused_by_their_key(override, error):
+    """A negative *_num_cpus/_num_gpus, or an actor's bundle of 0 CPUs and 0 GPUs, passed validation; under a Ray
+    placement the run stopped on Ray's ValueError traceback ('The quantity of resource num_cpus cannot be negative',
+    'Bundles cannot be an empty dictionary or resources with only 0 values') after the run folder was made."""
+    with pytest.raises(ConfigError, match=error):
+        load_config(None, ["orchestration.placement=ray_disaggregated", override])
+    # colocated, the engines and the trainer share one bundle: an engine of 0 CPUs takes the trainer's
+    cfg = load_config(None, ["orchestration.placement=ray_colocated", "orchestration.engine_num_cpus=0"])
+    assert cfg.orchestration.engine_num_cpus == 0
+    with pytest.raises(ConfigError, match=r"the colocated bundle asks for no resources"):
+        load_config(None, ["orchestration.placement=ray_colocated", "orchestration.engine_num_cpus=0", "orchestration.trainer_num_cpus=0"])

@@ -77,3 +77,19 @@ class OrchestrationConfig:
             raise ConfigError("orchestration.trainer_num_ranks > 1 needs orchestration.placement=ray_disaggregated")
         if self.placement == "local" and self.num_engines != 1:
             raise ConfigError("orchestration.num_engines > 1 needs a Ray placement (orchestration.placement=ray_disaggregated)")
+        self._validate_resources()
+
+    def _validate_resources(self) -> None:
+        """What Ray would refuse only once the run had started, with a ValueError traceback."""
+        for key in ("engine_num_cpus", "engine_num_gpus", "trainer_num_cpus", "trainer_num_gpus"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"orchestration.{key} must be >= 0, got {getattr(self, key)}")
+        if self.placement == "ray_colocated":  # one bundle for all: an engine or the trainer may ask for nothing
+            if self.num_engines * self.engine_num_cpus + self.trainer_num_cpus == 0 and max(self.engine_num_gpus, self.trainer_num_gpus) == 0:
+                raise ConfigError("the colocated bundle asks for no resources: set orchestration.engine_num_cpus, "
+                                  "trainer_num_cpus or *_num_gpus > 0 (Ray refuses an empty bundle)")
+        elif self.placement == "ray_disaggregated":  # a bundle each
+            for who, key in (("an engine", "engine"), ("a trainer", "trainer")):
+                if getattr(self, f"{key}_num_cpus") == 0 and getattr(self, f"{key}_num_gpus") == 0:
+                    raise ConfigError(f"{who} actor asks for no resources: set orchestration.{key}_num_cpus or {key}_num_gpus > 0 "
+                                      f"(its own bundle, which Ray refuses empty)")
