@@ -43,6 +43,20 @@ def _actor_context(cfg, blocked, tokenizer, num_threads: int):
     return RunContext(cfg, plugins, tokenizer, device, platform.name, Kernels(plugins, platform.name), None)
 
 
+def _get(refs):
+    """``ray.get(refs)``; a user error raised in an actor (a plugin's loss, a data error in an engine) comes out as
+    itself: Ray's RayTaskError is an instance of it too, but its message is the remote traceback, which the CLI
+    would print as its one line."""
+    import ray
+
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, MilesUserError):
+            raise exc.cause from exc
+        raise
+
+
 class _Started:
     """A user error in an actor's constructor (a URL nothing answers, a plugin's ConfigError) is kept and handed to
     the driver by :meth:`failed`, which raises it as itself: raised in the constructor, it kills the actor, and
@@ -127,15 +141,13 @@ class RayBackend:
         self.weight_version = 0
 
     def generate(self, prompts, params, n: int = 1):
-        import ray
-
         k = len(self.engines)
         bounds = [len(prompts) * i // k for i in range(k + 1)]
         chunks = [(bounds[i], prompts[bounds[i] : bounds[i + 1]]) for i in range(k)]
         refs = [(start, e.generate.remote(chunk, params, n)) for e, (start, chunk) in zip(self.engines, chunks) if chunk]
         out = []
         for start, ref in refs:
-            for s in ray.get(ref):
+            for s in _get(ref):
                 s.group_id += start
                 s.index = len(out)
                 out.append(s)
@@ -145,19 +157,15 @@ class RayBackend:
         import ray
 
         ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(dict(state_dict))
-        held = ray.get([e.update_weights.remote(ref, version) for e in self.engines])
+        held = _get([e.update_weights.remote(ref, version) for e in self.engines])
         assert held == [version] * len(self.engines), held
         self.weight_version = version
 
     def release_memory(self) -> None:
-        import ray
-
-        ray.get([e.release_memory.remote() for e in self.engines])
+        _get([e.release_memory.remote() for e in self.engines])
 
     def resume_memory(self) -> None:
-        import ray
-
-        ray.get([e.resume_memory.remote() for e in self.engines])
+        _get([e.resume_memory.remote() for e in self.engines])
 
     def shutdown(self) -> None:
         """Shut the live engines down; a dead one (killed for memory, crashed) has nothing left to stop."""
@@ -178,9 +186,7 @@ class RayTrainer:
 
     def _call(self, name, *args, **kwargs):
         """Call on every rank at once (the calls hold collectives); rank 0's result."""
-        import ray
-
-        return ray.get([a.call.remote(name, *args, **kwargs) for a in self.actors])[0]
+        return _get([a.call.remote(name, *args, **kwargs) for a in self.actors])[0]
 
     def compute_logprobs(self, batch, temperature=None):
         return self._call("compute_logprobs", batch, temperature)
@@ -195,9 +201,7 @@ class RayTrainer:
         self._call("reset_reference")
 
     def weights(self):
-        import ray
-
-        return ray.get([a.weights_ref.remote() for a in self.actors])[0][0]
+        return _get([a.weights_ref.remote() for a in self.actors])[0][0]
 
     def save(self, path: Path) -> None:
         self._call("save", path)

@@ -127,3 +127,26 @@ def test_closing_after_an_engine_actor_died_cleans_up(tmp_path, ray_cluster):
     ray.kill(placement.backend.engines[0])
     placement.close()
     assert closed and "CREATED" not in _pg_states()
+
+
+def test_a_user_error_in_an_actor_call_keeps_its_one_line(tmp_path, ray_cluster):
+    # a plugin's policy loss runs in the trainer actor: its PluginError reached the driver as Ray's RayTaskError, whose
+    # message is the remote traceback ('ray::TrainerWorker.call() (pid=...)', file lines, then the error), so the CLI's
+    # one line was a traceback
+    from miles_core.errors import PluginError
+    from miles_core.hookspecs import hookimpl
+
+    def nan_loss(inputs, cfg):
+        raise ValueError("the loss is nan")
+
+    class Losses:
+        @hookimpl
+        def miles_register_policy_losses(self, registry):
+            registry.add("nan_loss", nan_loss)
+
+    cfg = tiny_config(tmp_path, "orchestration.placement=ray_disaggregated", "run.num_rollout=1", "algorithm.policy_loss=nan_loss")
+    c = build(cfg, MilesPlugins(autoload=False, extra_plugins=[("lossy", Losses())]), None)
+    with pytest.raises(PluginError) as info:
+        run_loop(c, lambda record: None)
+    assert str(info.value) == "policy loss 'nan_loss' (plugin 'lossy') raised ValueError: the loss is nan"
+    assert type(info.value) is PluginError and "CREATED" not in _pg_states()
