@@ -96,6 +96,8 @@ def _rng_state(backend) -> dict:
         state["cuda"] = torch.cuda.get_rng_state_all()
     if hasattr(backend, "get_rng_state"):  # the built-in engine draws each request's sampling seed
         state["engine"] = backend.get_rng_state()
+    if hasattr(backend, "get_rng_states"):  # Ray: each engine actor's, which the driver's states do not hold
+        state["engines"] = backend.get_rng_states()
     return state
 
 
@@ -106,6 +108,8 @@ def _set_rng_state(state: dict, backend) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
     if "engine" in state and hasattr(backend, "set_rng_state"):
         backend.set_rng_state(state["engine"])
+    if "engines" in state and hasattr(backend, "set_rng_states"):
+        backend.set_rng_states(state["engines"])
 
 
 CRITIC = "critic.pt"

@@ -20,6 +20,7 @@ fraction), the engines releasing memory while the trainer works (:class:`Placeme
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -28,6 +29,8 @@ from pathlib import Path
 import torch
 
 from miles_core.errors import ConfigError, MilesUserError
+
+log = logging.getLogger(__name__)
 
 
 def _actor_context(cfg, blocked, tokenizer, num_threads: int):
@@ -89,6 +92,15 @@ class EngineWorker(_Started):
 
     def resume_memory(self) -> None:
         self.engine.resume_memory()
+
+    def get_rng_state(self) -> object:
+        """The engine's generator of sampling seeds (checkpoints); None for an engine without one."""
+        get = getattr(self.engine, "get_rng_state", None)
+        return None if get is None else get()
+
+    def set_rng_state(self, state: object) -> None:
+        if state is not None:
+            self.engine.set_rng_state(state)
 
     def released(self) -> list[str]:
         """What the engine has given back (built-in engine: 'kv_cache', 'weights')."""
@@ -160,6 +172,18 @@ class RayBackend:
         held = _get([e.update_weights.remote(ref, version) for e in self.engines])
         assert held == [version] * len(self.engines), held
         self.weight_version = version
+
+    def get_rng_states(self) -> list:
+        """Each engine actor's sampling state, saved in checkpoints so that a resumed run samples as the run it
+        continues (the driver's own RNG states draw no sampling seeds here)."""
+        return _get([e.get_rng_state.remote() for e in self.engines])
+
+    def set_rng_states(self, states: list) -> None:
+        if len(states) != len(self.engines):
+            log.warning("the checkpoint holds the sampling states of %d engine actors, not of %d (orchestration.num_engines): "
+                        "the resumed run's samples start from run.seed", len(states), len(self.engines))
+            return
+        _get([e.set_rng_state.remote(s) for e, s in zip(self.engines, states)])
 
     def release_memory(self) -> None:
         _get([e.release_memory.remote() for e in self.engines])

@@ -150,3 +150,37 @@ def test_a_user_error_in_an_actor_call_keeps_its_one_line(tmp_path, ray_cluster)
         run_loop(c, lambda record: None)
     assert str(info.value) == "policy loss 'nan_loss' (plugin 'lossy') raised ValueError: the loss is nan"
     assert type(info.value) is PluginError and "CREATED" not in _pg_states()
+
+
+class _Killed(Exception):
+    pass
+
+
+def _resumable(tmp_path, *overrides, kill_at=None):
+    cfg = tiny_config(tmp_path, "run.num_rollout=3", "run.num_threads=1", "rollout.max_response_len=6", "train.lr=1e-2",
+                      "reward.name=orch_rewards:digit_share",
+                      "orchestration.placement=ray_disaggregated", *overrides)
+    records = []
+
+    def on_metrics(record):
+        if record["step"] == kill_at:
+            raise _Killed
+        records.append(record)
+
+    try:
+        run_loop(build(cfg, MilesPlugins(autoload=False), None), on_metrics)
+    except _Killed:
+        pass
+    return [(r["step"], r["reward_mean"], r["loss"]) for r in records if r["step"] > 0]
+
+
+def test_a_resumed_ray_run_draws_the_samples_of_an_uninterrupted_one(tmp_path, ray_cluster):
+    # a checkpoint saved only the driver's RNG states: each engine actor's generator of sampling seeds was not saved,
+    # so a resumed run restarted it from run.seed and sampled other responses than the run it continues
+    save = tmp_path / "save"
+    full = _resumable(tmp_path / "a")
+    first = _resumable(tmp_path / "b", f"run.save={save}", "run.save_interval=1", kill_at=3)
+    second = _resumable(tmp_path / "c", f"run.save={save}", f"run.load={save}")
+    assert [r[0] for r in first + second] == [1, 2, 3]
+    assert len({r[1] for r in full}) > 1  # the steps sample differently: a real signal
+    assert first + second == full
