@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -266,6 +267,38 @@ def _check_started(actors: list) -> None:
             raise error
 
 
+def _check_answers(address: str) -> None:
+    """Ray tries an address nothing answers for minutes (20 tries of ~35 s) before its ConnectionError."""
+    host, _, port = address.split("://")[-1].rpartition(":")
+    if not host or not port.isdigit():
+        return  # 'auto', 'local': Ray finds (or starts) the cluster itself, and fails at once if it cannot
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except OSError as exc:
+        raise ConnectionError(f"nothing answers there ({exc}): start the cluster (ray start --head) or leave "
+                              f"orchestration.ray_address unset to start one here") from None
+
+
+def _init_ray(ray, o) -> list:
+    """Connect to ``orchestration.ray_address``, or start a local cluster; what closes it."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind to loopback, not the external address
+    if o.ray_address:
+        try:
+            _check_answers(o.ray_address)
+            ray.init(address=o.ray_address, include_dashboard=False, log_to_driver=False)
+        except ConnectionError as exc:
+            raise MilesUserError(f"orchestration.ray_address={o.ray_address}: {exc}") from None
+        return [ray.shutdown]
+    tmp = tempfile.mkdtemp(prefix="miles-ray-")
+    need = o.num_engines * o.engine_num_cpus + o.trainer_num_ranks * o.trainer_num_cpus
+    try:
+        ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(int(need + 0.999), os.cpu_count() or 1), _temp_dir=tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return [ray.shutdown, lambda: shutil.rmtree(tmp, ignore_errors=True)]
+
+
 def ray_placement(c, need_trainer: bool, need_backend: bool):
     try:
         import ray
@@ -274,12 +307,7 @@ def ray_placement(c, need_trainer: bool, need_backend: bool):
     o = c.ctx.config.orchestration
     closers = []
     if not ray.is_initialized():
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind to loopback, not the external address
-        tmp = tempfile.mkdtemp(prefix="miles-ray-")
-        need = o.num_engines * o.engine_num_cpus + o.trainer_num_ranks * o.trainer_num_cpus
-        kwargs = {} if o.ray_address else {"num_cpus": max(int(need + 0.999), os.cpu_count() or 1), "_temp_dir": tmp}
-        ray.init(address=o.ray_address, include_dashboard=False, log_to_driver=False, **kwargs)
-        closers += [ray.shutdown, lambda: shutil.rmtree(tmp, ignore_errors=True)]
+        closers = _init_ray(ray, o)
     try:
         return _place(c, ray, o, need_trainer, need_backend, closers)
     except BaseException:  # nothing is left behind: the placement group, a Ray cluster started here, its temp folder
