@@ -319,3 +319,9 @@ def test_ray_resources_ray_refuses_are_refused_by_their_key(override, error):
     assert cfg.orchestration.engine_num_cpus == 0
     with pytest.raises(ConfigError, match=r"the colocated bundle asks for no resources"):
         load_config(None, ["orchestration.placement=ray_colocated", "orchestration.engine_num_cpus=0", "orchestration.trainer_num_cpus=0"])
+
+
+def test_a_negative_restart_budget_is_refused_by_its_key():
+    """rollout.sglang.max_restarts=-1 passed validation and acted as 0: the first engine death failed the run."""
+    with pytest.raises(ConfigError, match=r"rollout.sglang.max_restarts must be >= 0 \(0: no restarts\), got -1"):
+        load_config(None, ["rollout.sglang.max_restarts=-1"])

@@ -50,7 +50,8 @@ class EngineMonitor:
             t0 = time.monotonic()
             try:
                 if len(self.recoveries) >= self.max_restarts:
-                    raise RuntimeError(f"engine {i} died after {self.max_restarts} restarts (rollout.sglang.max_restarts)")
+                    raise RuntimeError(f"engine {i} died, and the run's engines were already restarted {len(self.recoveries)} "
+                                       f"times (rollout.sglang.max_restarts={self.max_restarts}, counted over all engines)")
                 self._restart(i)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting callers
                 with self._lock:

@@ -24,7 +24,7 @@ class SglangConfig:
     request_timeout_s: float = 600.0  # one /generate call
     recover: bool = True  # restart launched servers that die and resubmit their requests
     health_interval_s: float = 0.2  # how often the monitor checks the launched processes
-    max_restarts: int = 100  # per run; beyond it a dead engine fails the run
+    max_restarts: int = 100  # restarts of all launched engines together, per run; beyond it a dead engine fails the run
 
     def validate(self) -> None:
         if self.launcher not in ("auto", "sglang", "miles"):
@@ -34,5 +34,7 @@ class SglangConfig:
         for u in self.urls:
             if not isinstance(u, str) or not u.startswith(("http://", "https://")):
                 raise ConfigError(f"rollout.sglang.urls: '{u}' is not an http(s):// URL")
+        if self.max_restarts < 0:
+            raise ConfigError(f"rollout.sglang.max_restarts must be >= 0 (0: no restarts), got {self.max_restarts}")
         if self.startup_timeout_s <= 0 or self.request_timeout_s <= 0 or self.health_interval_s <= 0:
             raise ConfigError("rollout.sglang.*_timeout_s and health_interval_s must be > 0")
