@@ -182,6 +182,31 @@ def test_the_decoder_tracks_a_byte_fallback_tokenizer(byte_fallback):
         _assert_tracks_full_decode(tok, [t for frag in frags for t in frag], rng, mid_character=False)
 
 
+@pytest.mark.parametrize("name", ["byte_level", "byte_fallback"])
+def test_the_engine_finds_stop_strings_in_characters_split_into_bytes(name, request):
+    """The engine's stop check decodes a bounded tail of the output. A byte-fallback tokenizer (Llama 2, Mistral)
+    writes a character outside its vocabulary as <0xNN> tokens, and a tail starting inside one turns its whole
+    run of byte tokens into U+FFFD: stop strings in CJK text ('和标' in '...符和标点...') were never found, and the
+    response ran on to max_new_tokens. Each stop string of each text must end the output at the first token whose
+    prefix's full decode holds it, fed one token or three at a time."""
+    from miles_core.rollout.engine_core.core import find_stop
+
+    tok = request.getfixturevalue(name)
+    missed = []
+    for text in TEXTS:
+        ids = tok.encode(text)
+        for a in range(len(text) - 1):
+            stop = text[a : a + 2]
+            if not stop.strip():
+                continue
+            want = next(i for i in range(len(ids)) if stop in tok.decode(ids[: i + 1]))
+            for step in (1, 3):
+                got = next((f for s in range(0, len(ids), step) if (f := find_stop(tok.decode, ids[: s + step], s, [stop]))), None)
+                if got != (want, stop):
+                    missed.append((text, stop, step, got, want))
+    assert not missed, missed[:3]
+
+
 def test_a_long_push_then_special_tokens_keep_the_next_word_s_space(byte_fallback):
     """A push longer than the decoder's bound (``decode_steps`` of 32 or more), then a push of special tokens
     only (no text alone), then a word: the word keeps its leading space, as in the full decode. The window may

@@ -522,16 +522,9 @@ class EngineCore:
                 take, reason = i + 1, "length"
                 break
         if params.stop and self.detokenize is not None:
-            ids, base = req.output_ids + toks[:take], len(req.output_ids)
-            # A stop string first seen at token i ends inside that token's text, so the last `tail` tokens (at least a
-            # byte each, a character at most 4) hold it whole: decode those, not the whole output (quadratic in length)
-            tail = 4 * max(map(len, params.stop)) + 8
-            for i in range(take):
-                text = self.detokenize(ids[max(0, base + i + 1 - tail) : base + i + 1])
-                hit = next((s for s in params.stop if s in text), None)
-                if hit is not None:
-                    take, reason, matched = i + 1, "stop", hit
-                    break
+            base = len(req.output_ids)
+            if (found := find_stop(self.detokenize, req.output_ids + toks[:take], base, params.stop)) is not None:
+                take, reason, matched = found[0] - base + 1, "stop", found[1]
         new_ids, new_lps = toks[:take], lps[:take]
         prev_len = req.num_tokens
         req.output_ids += new_ids
@@ -568,6 +561,27 @@ class _Window:
 class _Top:
     values: torch.Tensor
     indices: torch.Tensor
+
+
+def find_stop(detokenize: Callable[[list[int]], str], ids: list[int], start: int, stop: list[str]) -> tuple[int, str] | None:
+    """The first index ``i >= start`` whose token completes a stop string in the text of ``ids``, and that string.
+
+    A stop string first seen at token i ends inside that token's text, so the last ``tail`` tokens (at least a
+    byte each, a character at most 4) hold it whole: decode those, not the whole output (quadratic in length).
+    A tail that starts inside a character a byte-fallback tokenizer wrote as <0xNN> tokens decodes that whole run
+    of bytes to U+FFFD: a tail with U+FFFD is decoded again from up to 3 tokens earlier, one start of which is the
+    character's first byte."""
+    tail = 4 * max(map(len, stop)) + 8
+    for i in range(start, len(ids)):
+        first = max(0, i + 1 - tail)
+        for lo in range(first, max(-1, first - 4), -1):
+            text = detokenize(ids[lo : i + 1])
+            hit = next((s for s in stop if s in text), None)
+            if hit is not None:
+                return i, hit
+            if "\ufffd" not in text:
+                break
+    return None
 
 
 def _top_lists(top, ks: list[int]):
