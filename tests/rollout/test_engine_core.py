@@ -387,6 +387,20 @@ def test_rejects_bad_requests():
     assert all(len(r.output_ids) == 2 for r in group)
 
 
+def test_min_p_past_one_is_refused_and_one_keeps_the_top_token():
+    """min_p > 1 cut every token (the cut sits above the top probability): the draw then took token 0 whatever its
+    probability, silently. It is refused when the request is added; min_p 1 keeps the top token only (greedy)."""
+    core = engine()
+    with pytest.raises(DataError, match=r"min_p must be in \[0, 1\], got 1.5"):
+        core.add_request(P1, SamplingParams(min_p=1.5))
+    with pytest.raises(DataError, match=r"min_p must be in \[0, 1\], got -0.1"):
+        core.add_request(P1, SamplingParams(min_p=-0.1))
+    assert not core.requests
+    (top,) = core.add_request(P1, SamplingParams(max_new_tokens=8, temperature=1.0, min_p=1.0, seed=3, ignore_eos=True))
+    drain(core)
+    assert top.output_ids == alone(P1, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)).output_ids
+
+
 def test_a_response_ends_at_max_model_len():
     core = engine(max_model_len=24)
     long = SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True)

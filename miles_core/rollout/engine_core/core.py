@@ -198,6 +198,8 @@ class EngineCore:
             raise DataError(f"input_ids must be in [0, {vocab}); got {min(prompt_ids)}..{max(prompt_ids)}")
         if params.max_new_tokens < 1:
             raise DataError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        if not 0 <= params.min_p <= 1:  # past 1 the cut is above the top probability: every token dropped, token 0 drawn
+            raise DataError(f"min_p must be in [0, 1], got {params.min_p}")
         if not 0 <= params.top_logprobs <= vocab:  # more would fail the whole step's top-k, every request in it
             raise DataError(f"top_logprobs must be in [0, {vocab}], got {params.top_logprobs}")
         if params.seed is not None and not -(1 << 63) <= params.seed <= (1 << 63) - n:  # the n samples' seeds are int64
