@@ -401,6 +401,21 @@ def test_min_p_past_one_is_refused_and_one_keeps_the_top_token():
     assert top.output_ids == alone(P1, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)).output_ids
 
 
+def test_an_empty_stop_string_or_a_bare_string_is_refused():
+    """'' is in every text: an empty stop string ended every response at its first token (finish_reason 'stop',
+    matched ''), and trim_stop cut its text to ''. It is refused when the request is added, naming its position."""
+    core = EngineCore(tiny(), EngineConfig(block_size=4), detokenize=lambda ids: "".join(chr(97 + t % 26) for t in ids))
+    with pytest.raises(DataError, match=r"stop strings must be non-empty \(stop\[1\] is ''\)"):
+        core.add_request(P1, SamplingParams(stop=["q", ""]))
+    # a string, not a list, was taken character by character: stop='</answer>' ended a response at its first 'a'
+    with pytest.raises(DataError, match=r"stop must be a list of strings, got the string '</answer>'"):
+        core.add_request(P1, SamplingParams(stop="</answer>"))
+    assert not core.requests
+    (r,) = core.add_request(P1, SamplingParams(max_new_tokens=6, temperature=0, stop=["#"], ignore_eos=True))
+    drain(core)
+    assert len(r.output_ids) == 6 and r.finish_reason == "length"
+
+
 def test_a_response_ends_at_max_model_len():
     core = engine(max_model_len=24)
     long = SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True)

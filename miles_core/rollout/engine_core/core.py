@@ -198,6 +198,10 @@ class EngineCore:
             raise DataError(f"input_ids must be in [0, {vocab}); got {min(prompt_ids)}..{max(prompt_ids)}")
         if params.max_new_tokens < 1:
             raise DataError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        if isinstance(params.stop, str):  # would be taken character by character
+            raise DataError(f"stop must be a list of strings, got the string {params.stop!r} (use [{params.stop!r}])")
+        if (empty := next((i for i, s in enumerate(params.stop) if not s), None)) is not None:  # '' is in every text
+            raise DataError(f"stop strings must be non-empty (stop[{empty}] is {params.stop[empty]!r})")
         if not 0 <= params.min_p <= 1:  # past 1 the cut is above the top probability: every token dropped, token 0 drawn
             raise DataError(f"min_p must be in [0, 1], got {params.min_p}")
         if not 0 <= params.top_logprobs <= vocab:  # more would fail the whole step's top-k, every request in it
