@@ -121,6 +121,13 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the special token spelled ``text`` (``"<|im_end|>"``), which :meth:`decode` leaves out; else None."""
+        for i, added in self.tok.added_tokens_decoder.items():
+            if added.special and added.content == text:
+                return i
+        return self.tok.convert_tokens_to_ids(text) if text in self.tok.all_special_tokens else None
+
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """``messages`` through the tokenizer's chat template, ending with the assistant's turn
         opened (``add_generation_prompt=True``); without a template, the last message's text. A template that

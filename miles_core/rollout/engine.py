@@ -66,6 +66,7 @@ class BuiltinEngine:
         self.core = EngineCore(
             model, cfg, eos_token_ids=eos, detokenize=tokenizer.decode, seed=seed,
             logprobs_op=op, logprobs_dtype=precision.compute_dtype if exact else None,
+            special_token_id=getattr(tokenizer, "special_token_id", None),
         )
         self.model = self.core.model
         self._abort_requested = False  # set by abort_all() from another thread

@@ -82,5 +82,6 @@ def build_server(model: str, host: str = "127.0.0.1", port: int = 30000, device:
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     if Path(model).is_dir():  # and the checkpoint's own (config.json, generation_config.json), as SGLang stops on
         eos += hf_eos_token_ids(Path(model))
-    core = EngineCore(m, engine or EngineConfig(), eos_token_ids=eos, detokenize=tok.decode, seed=seed)
+    core = EngineCore(m, engine or EngineConfig(), eos_token_ids=eos, detokenize=tok.decode, seed=seed,
+                      special_token_id=getattr(tok, "special_token_id", None))
     return MilesServer(ThreadedEngine(core), tok, model, host, port, max_request_bytes)

@@ -584,3 +584,37 @@ def test_decode_rows_in_two_halves_give_the_one_batch_tokens():
     for a, b in zip(one, two):
         assert a.output_ids == b.output_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
+def test_a_stop_string_that_is_a_special_token_stops_on_it():
+    """The engine's text leaves special tokens out (skip_special_tokens), so stop=["<|im_end|>"] never matched: the
+    response ran on to max_new_tokens past the turn's end. A stop string that spells a special token now stops on its
+    id. The model's rows of one token it emits greedily and of <|im_end|> are swapped, so that it emits <|im_end|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from miles_core.data.tokenizer import HFTokenizer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10,
+                            trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                special_tokens=["<|endoftext|>", "<|im_end|>"]))
+    tok = HFTokenizer.wrap(PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>"))
+    end = tok.special_token_id("<|im_end|>")
+    assert end is not None and tok.special_token_id("fox") is None and tok.decode([end]) == ""
+    model = tiny(vocab=tok.vocab_size)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0, stop=["<|im_end|>"])
+    prompt = [p for p in P1 if p != end]
+    core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3), detokenize=tok.decode)
+    (ref,) = core.add_request(prompt, greedy)
+    drain(core)
+    t = ref.output_ids[2]
+    assert t not in prompt and t not in ref.output_ids[:2] and end not in prompt + ref.output_ids[:3]
+    with torch.no_grad():  # tied embeddings: a relabelling of the two tokens
+        w = model.lm_head.weight
+        w[[t, end]] = w[[end, t]]
+    core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3), detokenize=tok.decode, special_token_id=tok.special_token_id)
+    (req,) = core.add_request(prompt, greedy)
+    drain(core)
+    assert req.output_ids == ref.output_ids[:2] + [end] and req.finish_reason == "stop"

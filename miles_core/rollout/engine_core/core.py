@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -59,6 +59,7 @@ class EngineCore:
         seed: int = 0,
         logprobs_op: Callable | None = None,
         logprobs_dtype: torch.dtype | None = None,
+        special_token_id: Callable[[str], int | None] | None = None,
     ) -> None:
         """``model`` is a Decoder already on its device, in its serving dtype; the core uses it as is. A
         transformers model loaded by :func:`.transformers_runner.load_transformers_model` (an architecture
@@ -66,7 +67,11 @@ class EngineCore:
 
         ``logprobs_op`` (the trainer's kernel op "logprobs", with ``config.exact_attention``): the
         reported logprob of each sampled token is recomputed by that op from the final hidden state
-        (cast to ``logprobs_dtype``), exactly as the trainer computes it, instead of by the sampler."""
+        (cast to ``logprobs_dtype``), exactly as the trainer computes it, instead of by the sampler.
+
+        ``special_token_id(text)``: the id of the special token spelled ``text``, else None
+        (:meth:`~miles_core.data.tokenizer.HFTokenizer.special_token_id`). ``detokenize`` skips special tokens, so a
+        stop string that is one (``"<|im_end|>"``) never appeared in the text: such a stop is matched as its token."""
         self.cfg = config or EngineConfig()
         self.cfg.validate()
         self.model = model.eval()
@@ -75,6 +80,7 @@ class EngineCore:
         self.device = next(model.parameters()).device
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids if t is not None)
         self.detokenize = detokenize
+        self.special_token_id = special_token_id
         self.rng = random.Random(seed)
         self.logprobs_op, self.logprobs_dtype = logprobs_op, logprobs_dtype
         self.weight_version = 0
@@ -208,6 +214,11 @@ class EngineCore:
             raise DataError(f"top_logprobs must be in [0, {vocab}], got {params.top_logprobs}")
         if params.seed is not None and not -(1 << 63) <= params.seed <= (1 << 63) - n:  # the n samples' seeds are int64
             raise DataError(f"seed must be a 64-bit integer (with n={n}: at most 2**63 - {n}), got {params.seed}")
+        if params.stop and self.special_token_id is not None:  # special tokens' texts: stop on their ids
+            ids = {s: self.special_token_id(s) for s in params.stop}
+            if any(i is not None for i in ids.values()):
+                params = replace(params, stop=[s for s, i in ids.items() if i is None],
+                                 stop_token_ids=[*params.stop_token_ids, *(i for i in ids.values() if i is not None)])
         base = request_id if request_id is not None else f"req-{next(self._ids)}"
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         rids = [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
