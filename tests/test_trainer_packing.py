@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from miles_core.algorithms.mismatch import mismatch_metrics
 from miles_core.config.loader import load_config
 from miles_core.train.lr import lr_at
 from miles_core.train.packing import micro_batch_plan, pack, shard_samples, split_by_tokens
@@ -243,9 +244,14 @@ def test_on_policy_old_logprobs_match_a_separate_pass():
     for k in g_sep:  # the detached forward has the separate pass's gradient
         assert torch.allclose(g1[k], g_sep[k], rtol=1e-4, atol=1e-6), k
         assert torch.allclose(g2[k], g_sep[k], rtol=1e-4, atol=1e-6), k
-    for k in ("mismatch_kl", "mismatch_k1", "mismatch_abs"):  # token-weighted over the micro-batches
-        assert m1[k] == pytest.approx(m2[k], rel=1e-4), k
-    assert m1["mismatch_abs"] > 0.1
+    # the batch's own mismatch, as the loop reports it after a separate pass (was: mismatch_kl and mismatch_k1 twice
+    # that, counted once by the trainer and again by the loss's mismatch_weights)
+    old, rollout, mask = make_trainer(tiny_decoder()).compute_logprobs(batch), batch.rollout_logprobs, batch.response_mask
+    want = {**mismatch_metrics(old, rollout, mask), "mismatch_abs": float(((rollout - old).abs() * mask).sum() / mask.sum())}
+    for m in (m1, m2):  # token-weighted over the micro-batches
+        for k in ("mismatch_kl", "mismatch_k1", "mismatch_abs"):
+            assert m[k] == pytest.approx(want[k], rel=1e-4), k
+    assert want["mismatch_abs"] > 0.1 and want["mismatch_kl"] > 0.1
 
 
 def test_train_batch_has_rollout_logprobs_only_when_every_sample_has_them():

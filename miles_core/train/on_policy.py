@@ -11,24 +11,23 @@ from __future__ import annotations
 
 import torch
 
+from miles_core.algorithms.masked import masked_mean
 from miles_core.algorithms.mismatch import mismatch_metrics
 from miles_core.types import TrainBatch
 
 
-def on_policy_old(logprobs: torch.Tensor, mb: TrainBatch, mask: torch.Tensor, num_tokens: int, sums: dict[str, float]) -> torch.Tensor:
-    """The micro-batch's old logprobs [n, T]: ``mb.old_logprobs`` when given, else ``logprobs``
-    detached, adding that micro-batch's share of mismatch_kl / mismatch_k1 / mismatch_abs to ``sums``
-    (token-weighted, so that the step's sums are means over all its response tokens; none without
-    ``mb.rollout_logprobs``)."""
+def on_policy_old(logprobs: torch.Tensor, mb: TrainBatch, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """The micro-batch's old logprobs [n, T] and its metrics: ``mb.old_logprobs`` when given (no metrics), else
+    ``logprobs`` detached, with that micro-batch's mismatch_kl / mismatch_k1 / mismatch_abs (means over its response
+    tokens; none without ``mb.rollout_logprobs``). The trainer weighs them by the micro-batch's tokens as the loss's
+    own metrics, under which a loss that reports mismatch_kl / mismatch_k1 too (apply_regularizers) counts once."""
     if mb.old_logprobs is not None:
-        return mb.old_logprobs.to(logprobs.device)
+        return mb.old_logprobs.to(logprobs.device), {}
     old = logprobs.detach()
     if mb.rollout_logprobs is None:
-        return old
+        return old, {}
     with torch.no_grad():
         rollout = mb.rollout_logprobs.to(old.device)
-        share = float(mask.sum()) / max(num_tokens, 1)
-        for key, value in mismatch_metrics(old, rollout, mask).items():
-            sums[key] += value * share
-        sums["mismatch_abs"] += float(((rollout - old).abs() * mask).sum()) / max(num_tokens, 1)
-    return old
+        metrics = mismatch_metrics(old, rollout, mask)
+        metrics["mismatch_abs"] = float(masked_mean((rollout - old).abs(), mask))
+    return old, metrics

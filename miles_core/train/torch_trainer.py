@@ -169,9 +169,10 @@ class TorchTrainer:
                 continue
             mb = batch.select(torch.tensor(group))
             mask = mb.response_mask.to(dev)
+            old, old_metrics = on_policy_old(logp * mask, mb, mask)
             inputs = LossInputs(
                 logprobs=logp * mask,
-                old_logprobs=on_policy_old(logp * mask, mb, mask, num_tokens, sums),
+                old_logprobs=old,
                 advantages=mb.advantages.to(dev),
                 response_mask=mask,
                 rollout_logprobs=None if mb.rollout_logprobs is None else mb.rollout_logprobs.to(dev),
@@ -184,7 +185,7 @@ class TorchTrainer:
             (loss * world).backward()
             sums["loss"] += float(loss.detach())
             share = float(mask.sum()) / max(num_tokens, 1)
-            for k, v in out.metrics.items():
+            for k, v in {**old_metrics, **out.metrics}.items():  # mismatch_kl: the loss's, if it has one, not twice
                 sums[k] += v * share
             sums["entropy"] += float((ent.detach() * mask).sum()) / max(num_tokens, 1)
         metrics = self._reduce_metrics(sums)

@@ -318,9 +318,10 @@ class MegatronTrainer:
             mb = batch.select(sl)
             logp, ent = self.response_logprobs(mb, temperature)
             mask = mb.response_mask.to(dev)
+            old, old_metrics = on_policy_old(logp, mb, mask)
             inputs = LossInputs(
                 logprobs=logp,
-                old_logprobs=on_policy_old(logp, mb, mask, num_tokens, sums),
+                old_logprobs=old,
                 advantages=mb.advantages.to(dev),
                 response_mask=mask,
                 rollout_logprobs=None if mb.rollout_logprobs is None else mb.rollout_logprobs.to(dev),
@@ -334,7 +335,7 @@ class MegatronTrainer:
             loss.backward()
             total_loss += float(loss.detach())
             share = float(mask.sum()) / max(num_tokens, 1)
-            for k, v in out.metrics.items():
+            for k, v in {**old_metrics, **out.metrics}.items():  # mismatch_kl: the loss's, if it has one, not twice
                 sums[k] += v * share
             sums["entropy"] += float((ent.detach() * mask).sum()) / max(num_tokens, 1)
         self._reduce_replicated_grads()
