@@ -1,6 +1,7 @@
 """The RL loop end to end on a tiny config: outputs, hooks, weight versions, data sources, rewards."""
 
 import json
+import math
 from collections import Counter
 
 import pytest
@@ -216,6 +217,23 @@ def test_several_updates_per_rollout_are_off_policy_after_the_first(tmp_path, mo
         assert first[0] + second[0] == per_step and first[0] == second[0]
         assert abs(first[1]) < 1e-6  # the rollout policy itself
         assert second[1] > 1e-6  # one update later
+
+
+def test_updates_per_rollout_takes_that_many_even_steps(tmp_path):
+    """train.updates_per_rollout=5 over a step's 8 samples: five optimizer steps on parts of 2, 2, 2, 1, 1 samples (was:
+    torch.chunk's parts of 2, four steps, so the run took fewer updates than configured and its LR schedule, counted
+    in num_rollout * updates_per_rollout steps, never reached its end)."""
+    cfg = tiny_config(tmp_path, "train.updates_per_rollout=5", "run.num_rollout=2", "train.lr_decay=cosine")
+    c = build(cfg, MilesPlugins(autoload=False), tmp_path)
+    parts = []
+    spy_on_trainer(c, "train_step", lambda args, out: parts.append((args[0].num_samples, out["lr"])))
+    _, trainer = run_loop(c, lambda r: None)
+    assert cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt == 8
+    rl_parts = parts[-10:]
+    assert [n for n, _ in rl_parts] == [2, 2, 2, 1, 1] * 2
+    assert trainer.step == trainer.total_steps == 10
+    lr = cfg.train.lr
+    assert rl_parts[-1][1] == pytest.approx(lr * 0.5 * (1 + math.cos(math.pi * 9 / 10)))  # the schedule's last step
 
 
 def test_metrics_log_writes_strict_json_and_appends(tmp_path):

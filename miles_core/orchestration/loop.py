@@ -157,7 +157,10 @@ def rl_step(c: Components, trainer, aux: AuxModels, samples: list[Sample], metri
     with timer("train"):
         order = torch.randperm(batch.num_samples)
         updates = []
-        for part in order.chunk(cfg.train.updates_per_rollout):
+        # tensor_split, not chunk: chunk's parts of ceil(N / k) samples make fewer than k parts (8 samples, k=5: four),
+        # fewer optimizer steps than the LR schedule counts; a batch of fewer than k samples (dynamic sampling) has
+        # no empty parts to step on
+        for part in (p for p in order.tensor_split(cfg.train.updates_per_rollout) if len(p)):
             update = trainer.train_step(batch.select(part), c.policy_loss)
             if aux.critic is not None:
                 update = {**update, **aux.critic.train_step(batch.select(part))}
