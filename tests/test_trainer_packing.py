@@ -327,6 +327,26 @@ def test_empty_responses_train_on_nothing():
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g1, g3))
 
 
+def test_a_sample_the_trainer_cannot_align_is_refused_naming_it():
+    """A response without a prompt token before it took its first logprob from the hidden state of the sample packed
+    before it (another sample's context, silently) or failed with "index out of range" when first in its pack; a loss
+    mask or engine logprobs of another length than the response failed in tensor assignment ("expanded size")."""
+    from miles_core.errors import DataError
+    from miles_core.train.batch import make_train_batch
+    from miles_core.types import Sample
+
+    ok = Sample("", [1, 2], [3, 4], "", [-1.0, -1.0])
+    bad = {
+        "has no prompt token": Sample("", [], [5, 6], "", [-1.0, -1.0], index=7),
+        "loss_mask has 3 values for 2 response tokens": Sample("", [1], [5, 6], "", [-1.0, -1.0], index=7, loss_mask=[1, 0, 1]),
+        "rollout_logprobs has 1 values for 2 response tokens": Sample("", [1], [5, 6], "", [-1.0], index=7),
+    }
+    for why, sample in bad.items():
+        with pytest.raises(DataError, match=f"sample 7 .*{why}"):
+            make_train_batch([ok, sample], pad_id=0)
+    make_train_batch([ok, Sample("", [], [], "", [])], pad_id=0)  # nothing to predict: nothing to align
+
+
 def test_seq_sum_divides_by_the_generation_budget_not_the_longest_response():
     """Dr.GRPO's seq_sum divides every sequence's token sum by one constant, the generation budget: with the batch's
     longest response as the divisor a step's loss (and gradient) scale followed that one sample's length."""
