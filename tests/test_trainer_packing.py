@@ -113,6 +113,16 @@ def test_gspo_clip_metrics_do_not_depend_on_the_micro_batch_split():
         assert m["dual_clip_frac"] == pytest.approx(dual, rel=1e-5)
 
 
+def test_varlen_attention_where_it_cannot_run_is_refused_at_start_up():
+    """train.attention=varlen (flash-attention, CUDA in bf16/fp16) on a CPU trainer (or in fp32) failed at the first
+    packed forward with "Could not run 'aten::_flash_attention_forward' with arguments from the 'CPU' backend"."""
+    from miles_core.errors import ConfigError
+
+    for precision in ("fp32", "bf16"):
+        with pytest.raises(ConfigError, match="train.attention=varlen needs .*CUDA.*; set train.attention=auto"):
+            make_trainer(tiny_decoder(), "train.attention=varlen", f"train.precision={precision}")
+
+
 def test_activation_checkpointing_same_gradients():
     batch = random_batch(4)
     grads = []

@@ -123,6 +123,18 @@ def micro_batch_plan(batch: TrainBatch, world_size: int, max_tokens: int) -> lis
 # ---------------------------------------------------------------------- attention over a pack
 
 
+def varlen_unavailable(device: torch.device, compute_dtype: torch.dtype | None) -> str | None:
+    """Why ``train.attention=varlen`` cannot run for a trainer on ``device`` computing in ``compute_dtype``, or None:
+    flash-attention varlen takes CUDA tensors in bf16/fp16 only, and needs torch >= 2.10."""
+    if device.type != "cuda":
+        return f"this trainer runs on {device.type}"
+    if compute_dtype not in (torch.bfloat16, torch.float16):
+        return "the trainer computes in fp32 (train.precision)"
+    if causal_varlen() is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    return None
+
+
 class SegmentAttention:
     """Causal attention within each packed sample; passed to the decoder as ``attn_mask``.
 

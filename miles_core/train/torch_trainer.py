@@ -32,7 +32,7 @@ from miles_core.train.distributed import all_reduce_sum, init_from_env
 from miles_core.train.fsdp import checkpoint_blocks, full_tensor, shard
 from miles_core.train.lr import lr_at
 from miles_core.train.on_policy import on_policy_old
-from miles_core.train.packing import PackedMicroBatch, SegmentAttention, micro_batch_plan, pack
+from miles_core.train.packing import PackedMicroBatch, SegmentAttention, micro_batch_plan, pack, varlen_unavailable
 from miles_core.types import LossInputs, TrainBatch
 
 
@@ -71,6 +71,9 @@ class TorchTrainer:
         self.dist, self.device = init_from_env(device)
         self.precision = precision
         t = cfg.train
+        if t.attention == "varlen" and (why := varlen_unavailable(self.device, precision.compute_dtype)):
+            raise ConfigError(f"train.attention=varlen needs flash-attention varlen (CUDA, bf16/fp16, torch >= 2.10) and "
+                              f"{why}; set train.attention=auto (or sdpa, padded)")
         self.model = precision.prepare_model(model).to(self.device).train()  # the decoder (HF names)
         if hasattr(self.model, "use_kernels") and not t.compile:  # the registry's rmsnorm/rope/swiglu, as in the engine
             self.model.use_kernels(kernels)
