@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
@@ -19,6 +20,16 @@ def no_response_tokens(hidden: torch.Tensor, head_weight: torch.Tensor) -> tuple
     runs (under FSDP / tensor parallelism joining the other ranks' collectives) with zero gradients."""
     empty = ((hidden.sum() + head_weight.sum()) * 0.0).float().reshape(1)[:0]
     return empty, empty
+
+
+def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: float) -> float:
+    """``optimizer.step()`` unless the gradient norm is NaN or infinite (an overflow, a loss that blew up on one batch):
+    such a step would write NaN into the weights and Adam's moments for good, so it is skipped and the weights stay
+    as they were. Returns 1.0 for a skipped step, else 0.0 (the ``grad_nonfinite_skipped`` metric)."""
+    if math.isfinite(grad_norm):
+        optimizer.step()
+        return 0.0
+    return 1.0
 
 
 def use_configured_hyperparameters(optimizer: torch.optim.Optimizer, lr: float, train_cfg) -> None:

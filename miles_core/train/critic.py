@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from miles_core.config.schema import MilesConfig
-from miles_core.train.base import use_configured_hyperparameters
+from miles_core.train.base import step_if_finite, use_configured_hyperparameters
 from miles_core.types import TrainBatch
 
 
@@ -92,14 +92,15 @@ class Critic:
             sq_err += float(((old - ret) ** 2 * mask).sum())
         grad_clip = self.cfg.train.grad_clip
         params = [p for p in list(self.body.parameters()) + list(self.head.parameters()) if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-        self.optimizer.step()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf")))
+        skipped = step_if_finite(self.optimizer, grad_norm)
         mask = batch.response_mask
         ret_var = float(((batch.returns - (batch.returns * mask).sum() / num_tokens) ** 2 * mask).sum() / num_tokens)
         return {
             "value_loss": total,
             "value_clip_frac": clipped_tokens / num_tokens,
-            "value_grad_norm": float(grad_norm),
+            "value_grad_norm": grad_norm,
+            "value_grad_nonfinite_skipped": skipped,
             # 1 - MSE(V_old, R) / Var(R): how much of the return the rollout-time values explained
             "value_explained_var": 1.0 - (sq_err / num_tokens) / max(ret_var, 1e-8),
         }

@@ -27,7 +27,7 @@ from miles_core.errors import ConfigError
 from miles_core.kernels.base import Kernels
 from miles_core.precision.base import PrecisionRecipe
 from miles_core.train import checkpoint as ckpt
-from miles_core.train.base import LossFn, no_response_tokens, use_configured_hyperparameters
+from miles_core.train.base import LossFn, no_response_tokens, step_if_finite, use_configured_hyperparameters
 from miles_core.train.distributed import all_reduce_sum, init_from_env
 from miles_core.train.fsdp import checkpoint_blocks, full_tensor, shard
 from miles_core.train.lr import lr_at
@@ -194,9 +194,9 @@ class TorchTrainer:
         metrics = self._reduce_metrics(sums)
         clip = cfg.train.grad_clip
         params = [p for p in self.policy.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        self.optimizer.step()
-        return {**metrics, "grad_norm": float(full_tensor(grad_norm)), "lr": lr}
+        grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))))
+        skipped = step_if_finite(self.optimizer, grad_norm)  # the same norm on every rank: all skip, or none
+        return {**metrics, "grad_norm": grad_norm, "lr": lr, "grad_nonfinite_skipped": skipped}
 
     def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         if not self.dist.enabled:

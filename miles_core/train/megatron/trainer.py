@@ -30,7 +30,7 @@ from miles_core.config.schema import MilesConfig
 from miles_core.errors import ConfigError
 from miles_core.kernels.base import Kernels
 from miles_core.precision.base import PrecisionRecipe
-from miles_core.train.base import LossFn, no_response_tokens, use_configured_hyperparameters
+from miles_core.train.base import LossFn, no_response_tokens, step_if_finite, use_configured_hyperparameters
 from miles_core.train.lr import lr_at
 from miles_core.train.megatron import convert
 from miles_core.train.megatron.arch import Arch
@@ -341,8 +341,8 @@ class MegatronTrainer:
         self._reduce_replicated_grads()
         clip = cfg.train.grad_clip
         grad_norm = self._clip(clip if clip > 0 else float("inf"))
-        self.optimizer.step()
-        return {"loss": total_loss, "grad_norm": grad_norm, "lr": lr, **sums}
+        skipped = step_if_finite(self.optimizer, grad_norm)  # the norm is reduced over TP ranks: all skip, or none
+        return {"loss": total_loss, "grad_norm": grad_norm, "lr": lr, "grad_nonfinite_skipped": skipped, **sums}
 
     # ------------------------------------------------------------------ checkpoints
     def _file(self) -> str:
