@@ -679,3 +679,25 @@ def test_sft_from_a_task_without_reference_answers_is_refused(tmp_path):
     with pytest.raises(DataError, match=r"^run.mode=sft without data.train_path trains on the task's reference answers: "
                                         r"task 'no_answers' gave none for 1000 training prompts in a row"):
         run_loop(build(cfg, pm, tmp_path), lambda r: None)
+
+
+def test_response_len_counts_the_response_not_its_trained_tokens(tmp_path):
+    """With loss masks (a tool's output inside a multi-turn response, not trained on) response_len was the trained
+    tokens per sample, not the response length; run.mode=rollout reports the length, so the two disagreed."""
+
+    class MaskLast:
+        def __init__(self):
+            self.lengths: list[float] = []
+
+        @hookimpl
+        def miles_after_rollout(self, ctx, step, samples):
+            for s in samples:
+                s.loss_mask = [1] * (len(s.response_ids) - 1) + [0]
+            self.lengths.append(sum(len(s.response_ids) for s in samples) / len(samples))
+
+    plugin = MaskLast()
+    records = []
+    pm = MilesPlugins(autoload=False, extra_plugins=[("mask", plugin)])
+    run_loop(build(tiny_config(tmp_path, "run.num_rollout=2", "rollout.max_response_len=6"), pm, None), records.append)
+    rl = [r for r in records if r.get("phase") == "rl" and r["step"] > 0]
+    assert [r["response_len"] for r in rl] == pytest.approx(plugin.lengths) and min(plugin.lengths) > 1

@@ -178,7 +178,7 @@ def rl_step(c: Components, trainer, aux: AuxModels, samples: list[Sample], metri
     metrics.update(
         reward_mean=sum(rewards) / len(rewards),
         train_accuracy=sum(c.task.score(s.response, s.label) >= 1.0 for s in samples) / len(samples),
-        response_len=n_tokens / len(samples),
+        response_len=sum(len(s.response_ids) for s in samples) / len(samples),  # with loss masks, more than trained
     )
     return metrics
 
