@@ -44,6 +44,13 @@ def check_row(row: object) -> None:
     for key in ("prompt_ids", "response_ids"):
         if not _token_ids(row.get(key)):
             raise TypeError(f"'{key}' must be a list of token ids, got {row.get(key)!r:.40}")
+    if not row["prompt_ids"]:
+        raise TypeError("'prompt_ids' is empty: the first response token's logprob needs a prompt token before it")
+    mask = row.get("loss_mask")
+    if mask is not None and not (isinstance(mask, list) and all(type(m) is int and m in (0, 1) for m in mask)):
+        raise TypeError(f"'loss_mask' must be a list of 0/1 values or null, got {mask!r:.40}")
+    if mask is not None and len(mask) != len(row["response_ids"]):
+        raise TypeError(f"'loss_mask' has {len(mask)} values for {len(row['response_ids'])} response tokens")
     if not is_reward_value(row.get("reward")):
         raise TypeError(f"'reward' must be a finite number, got {row.get('reward')!r:.40}")
     logprobs = row.get("rollout_logprobs")

@@ -223,6 +223,9 @@ def test_mismatch_correction_refuses_samples_without_engine_logprobs(tmp_path, c
     (lambda row: {**row, "reward": "x"}, "'reward' must be a finite number, got 'x'"),
     (lambda row: {**row, "reward": None}, "'reward' must be a finite number, got None"),
     (lambda row: {**row, "rollout_logprobs": [0.0] * 9}, r"'rollout_logprobs' has 9 values for \d response tokens"),
+    (lambda row: {**row, "prompt_ids": []}, "'prompt_ids' is empty: the first response token's logprob needs a prompt"),
+    (lambda row: {**row, "loss_mask": [1] * 9}, r"'loss_mask' has 9 values for \d response tokens"),
+    (lambda row: {**row, "loss_mask": "all"}, "'loss_mask' must be a list of 0/1 values or null"),
 ])
 def test_a_saved_rollout_row_that_is_not_a_sample_is_named(tmp_path, edit, problem):
     """Rollouts edited by hand or written by another tool: a row that is not an object, ids that are not lists of
