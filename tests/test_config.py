@@ -325,3 +325,11 @@ def test_a_negative_restart_budget_is_refused_by_its_key():
     """rollout.sglang.max_restarts=-1 passed validation and acted as 0: the first engine death failed the run."""
     with pytest.raises(ConfigError, match=r"rollout.sglang.max_restarts must be >= 0 \(0: no restarts\), got -1"):
         load_config(None, ["rollout.sglang.max_restarts=-1"])
+
+
+@pytest.mark.parametrize("args", [["--save", "--resume"], ["--load", "--num-rollout", "1"], ["--rollout.top_p", "--lr", "1e-6"]])
+def test_a_flag_whose_value_is_the_next_flag_needs_a_value(args):
+    # `--save --resume` (the folder forgotten) saved to a folder named '--resume' and did not resume, and validate said
+    # ok; `--load --num-rollout 1` blamed '1' ("cannot read argument '1'"), not the option that lost its value
+    with pytest.raises(ConfigError, match=rf"^option '{args[0]}' needs a value$"):
+        load_config(None, args)

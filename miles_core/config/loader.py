@@ -229,7 +229,7 @@ def parse_cli_args(args: list[str]) -> list[tuple[str, str, str]]:
                 known = list(SLIME_FLAGS) + list(SWITCH_FLAGS) + list(KL_VALUE_FLAGS) + [KL_SWITCH_FLAG]
                 raise ConfigError(f"unknown option '{flag}'{did_you_mean(flag, known + ['--' + k for k in _all_keys()])}")
             if not eq:
-                if i + 1 >= len(args):
+                if i + 1 >= len(args) or args[i + 1].startswith("--"):  # `--save --resume`: the folder was forgotten
                     raise ConfigError(f"option '{flag}' needs a value")
                 i += 1
                 value = args[i]
