@@ -424,6 +424,25 @@ def test_package_plugin_named_like_a_builtin_is_an_error(tmp_path, monkeypatch):
         MilesPlugins(autoload=True)
 
 
+def test_two_plugin_names_for_one_module_is_one_line_naming_both(tmp_path, monkeypatch):
+    # two entry points (a renamed one left behind by an older install, or two packages) naming one module: pluggy's
+    # ValueError was passed on with its dump of every registered plugin, and did not say which package held the module
+    _fake_dist(tmp_path, "hunt_old", {"scorer_old": "hunt_shared_mod"})
+    _fake_dist(tmp_path, "hunt_new", {"scorer": "hunt_shared_mod"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError) as exc:
+        MilesPlugins(autoload=True)
+    msg = str(exc.value)
+    assert "'scorer_old'" in msg and "'scorer'" in msg and "hunt_old" in msg and "hunt_new" in msg, msg
+    assert "hunt_shared_mod" in msg and "miles.rewards" not in msg and "\n" not in msg, msg
+    assert {"scorer", "scorer_old"} & set(MilesPlugins(blocked=["scorer_old"]).plugin_names()) == {"scorer"}
+    # the same object given twice as an extra plugin
+    plugin = object()
+    with pytest.raises(PluginError, match=r"^plugin 'b' is the module or object already loaded as plugin 'a'; "):
+        MilesPlugins(autoload=False, extra_plugins=[("a", plugin), ("b", plugin)])
+    assert MilesPlugins(["b"], autoload=False, extra_plugins=[("a", plugin), ("b", plugin)]).plugin_names()[-1] == "a"
+
+
 def test_a_plugin_that_fails_to_import_is_listed_by_miles_plugins(tmp_path, cli):
     # one installed plugin whose import fails stopped every command, miles plugins too: it printed only that error,
     # so the command that lists what is installed listed nothing, and the error did not say how to run without it

@@ -107,6 +107,7 @@ class MilesPlugins:
         self.blocked = tuple(blocked)
         self._versions: dict[str, str] = {}
         self._builtin: set[str] = set()
+        self._packages: dict[str, tuple[str, str]] = {}  # entry point plugin name -> (its package, its module path)
         self.broken: dict[str, str] = {}  # plugin name -> why it failed to import (keep_broken)
         for name in self.blocked:
             self.pm.set_blocked(name)
@@ -135,18 +136,18 @@ class MilesPlugins:
             self._builtin.add(name)
 
     def _load_entry_points(self, keep_broken: bool) -> None:
-        packages: dict[str, str] = {}  # plugin name -> the package that named it
         for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT):
             package = ep.dist.name if ep.dist is not None else ep.value
             if self.pm.is_blocked(ep.name):
                 continue
             if self.pm.has_plugin(ep.name):  # pluggy would refuse the name: say who holds it
-                first = "a built-in plugin" if ep.name in self._builtin else f"package '{packages.get(ep.name, '?')}'"
+                holder = self._packages.get(ep.name, ("?",))[0]
+                first = "a built-in plugin" if ep.name in self._builtin else f"package '{holder}'"
                 raise PluginError(
                     f"two plugins are named '{ep.name}': {first} and package '{package}' ({ep.value}); "
                     "uninstall one of them or rename its [project.entry-points.miles] entry"
                 )
-            packages[ep.name] = package
+            self._packages[ep.name] = (package, ep.value)
             try:
                 plugin = ep.load()
             except Exception as exc:  # a broken third-party package must say which one it is
@@ -165,12 +166,26 @@ class MilesPlugins:
             raise PluginError(
                 f"plugin '{name}' defines {', '.join(unmarked)} without @hookimpl (from miles_core.hookspecs import hookimpl)"
             )
+        holder = self.pm.get_name(plugin)
+        if holder is not None and not self.pm.is_blocked(name):  # pluggy's error lists every plugin, no package
+            raise PluginError(
+                f"plugin '{name}'{self._origin(name)} is the module or object already loaded as plugin '{holder}'"
+                f"{self._origin(holder)}; a plugin loads once: uninstall one of them, or block one with -p no:NAME"
+            )
         try:
             self.pm.register(plugin, name)
         except ValueError as exc:
             raise PluginError(f"cannot register plugin '{name}': {_one_line(exc)}") from exc
         except pluggy.PluginValidationError as exc:
             raise PluginError(f"plugin '{name}' is invalid: {_one_line(exc)}") from exc
+
+    def _origin(self, name: str) -> str:
+        if name in self._builtin:
+            return " (built-in)"
+        if name in self._packages:
+            package, value = self._packages[name]
+            return f" (package '{package}', {value})"
+        return ""
 
     def _check_blocked(self, known: list[str]) -> None:
         """``-p no:NAME`` must name a plugin: a typo would block nothing, silently."""
