@@ -131,7 +131,7 @@ def plugins(as_json, plugin_opts):
         console = Console()
         console.print(plugins_table(infos))
         for info in infos:
-            console.print(f"[bold]{info.name}[/] hooks: {', '.join(info.hooks)}")
+            console.print(f"[bold]{info.name}[/] hooks: {', '.join(info.hooks) or '(none)'}")
     if pm.broken:
         raise PluginError("; ".join(pm.broken.values()))
 

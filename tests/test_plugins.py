@@ -488,3 +488,28 @@ def test_hook_function_without_the_marker_is_an_error():
 
     with pytest.raises(PluginError, match="unmarked-plugin.*miles_register_rewards.*@hookimpl"):
         MilesPlugins(autoload=False, extra_plugins=[("unmarked-plugin", Unmarked())])
+
+
+def test_miles_plugins_says_when_a_plugin_implements_no_hook(tmp_path, cli):
+    # an entry point naming the package (miles_reward_example) instead of its hook module (miles_reward_example.plugin)
+    # loads a module with no hooks: the plugin does nothing, and `miles plugins` said "(lifecycle hooks only)"
+    import os
+
+    _fake_dist(tmp_path, "hunt_nohooks", {"nohooks": "hunt_nohooks_mod"})
+    (tmp_path / "hunt_listener_mod.py").write_text(
+        "from miles_core.hookspecs import hookimpl\n\n@hookimpl\ndef miles_run_start(ctx):\n    pass\n"
+    )
+    (tmp_path / "hunt_nohooks-1.0.dist-info" / "entry_points.txt").write_text(
+        "[miles]\nnohooks = hunt_nohooks_mod\nlistener = hunt_listener_mod\nidle = hunt_idle_mod\n"
+    )
+    (tmp_path / "hunt_idle_mod.py").write_text(  # registers only when its dependency is there, and it is not
+        "from miles_core.hookspecs import hookimpl\n\n@hookimpl\ndef miles_register_rewards(registry):\n    pass\n"
+    )
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]), "COLUMNS": "200"}
+    out = cli("plugins", env=env)
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line for line in out.stdout.splitlines() if "│" in line}
+    assert "(no hooks: it does nothing)" in rows["nohooks"] and "lifecycle" not in rows["nohooks"], rows
+    assert "(lifecycle hooks only)" in rows["listener"], rows
+    assert "(registered nothing)" in rows["idle"], rows
+    assert "nohooks hooks: (none)" in out.stdout and "listener hooks: miles_run_start" in out.stdout

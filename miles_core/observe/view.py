@@ -30,7 +30,10 @@ def plugins_table(infos) -> Table:
     table.add_column("registered")
     for info in infos:
         reg = "; ".join(f"{k}: {', '.join(v)}" for k, v in info.registered.items())
-        table.add_row(info.name, info.version, reg or "(lifecycle hooks only)")
+        if not reg:  # an entry point naming a module without hooks (the package, not its plugin module) does nothing
+            registers = any(h.startswith("miles_register_") for h in info.hooks)
+            reg = "(registered nothing)" if registers else "(lifecycle hooks only)" if info.hooks else "(no hooks: it does nothing)"
+        table.add_row(info.name, info.version, reg)
     return table
 
 
