@@ -43,8 +43,8 @@ def user_errors(fn):
 
 def _recipe_path(recipe: str | None, overrides: list[str]) -> tuple[Path, list[str]]:
     """RECIPE is optional: a first argument that looks like an override belongs to the overrides, unless it is a file
-    (a run named kl=0.01 saves its config as runs/kl=0.01-<stamp>/config.yaml)."""
-    if recipe is not None and ("=" in recipe or recipe.startswith("--")) and not Path(recipe).is_file():
+    or folder (a run named kl=0.01 saves its config as runs/kl=0.01-<stamp>/config.yaml)."""
+    if recipe is not None and ("=" in recipe or recipe.startswith("--")) and not Path(recipe).exists():
         overrides = [recipe, *overrides]
         recipe = None
     if recipe is None or recipe == QUICKSTART:

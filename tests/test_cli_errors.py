@@ -222,3 +222,13 @@ def test_a_recipe_in_a_folder_with_an_equals_sign_is_the_recipe(cli, tmp_path):
 def test_slime_reward_kl_and_kl_loss_together_is_one_line(cli):
     line = _one_line_error(cli("validate", "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl", "--kl-coef", "0.02"))
     assert "--kl-coef 0.02" in line and "--kl-loss-coef 0.01" in line
+
+
+def test_a_run_folder_given_as_the_recipe_is_named_as_a_folder(cli, tmp_path):
+    """A run folder given as RECIPE said "recipe file ... does not exist"; one named kl=0.01-<stamp> was taken for an
+    override ("'.../kl' is not a config key")."""
+    run_dir = tmp_path / "kl=0.01-20250101-000000"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("run:\n  name: kl=0.01\n")
+    line = _one_line_error(cli("validate", str(run_dir)))
+    assert line == f"error: recipe '{run_dir}' is a folder, not a YAML file (did you mean '{run_dir / 'config.yaml'}'?)"

@@ -1,5 +1,7 @@
 """Config: YAML recipes, key=value overrides, slime flags, and errors that name the key."""
 
+import re
+
 import pytest
 
 from miles_core.config.loader import load_config
@@ -333,3 +335,13 @@ def test_a_flag_whose_value_is_the_next_flag_needs_a_value(args):
     # ok; `--load --num-rollout 1` blamed '1' ("cannot read argument '1'"), not the option that lost its value
     with pytest.raises(ConfigError, match=rf"^option '{args[0]}' needs a value$"):
         load_config(None, args)
+
+
+def test_a_recipe_that_is_a_folder_is_named_as_a_folder(tmp_path):
+    # `miles run runs/kl-20250101-000000` (the run folder, not its config.yaml) said "does not exist", and it does
+    with pytest.raises(ConfigError, match=rf"^recipe '{re.escape(str(tmp_path))}' is a folder, not a YAML file$"):
+        load_config(tmp_path)
+    (tmp_path / "config.yaml").write_text("run:\n  seed: 3\n")
+    hint = rf"\(did you mean '{re.escape(str(tmp_path / 'config.yaml'))}'\?\)"
+    with pytest.raises(ConfigError, match=rf"^recipe '{re.escape(str(tmp_path))}' is a folder, not a YAML file {hint}$"):
+        load_config(tmp_path)

@@ -277,6 +277,9 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> 
     cfg = MilesConfig()
     if recipe is not None:
         path = Path(recipe)
+        if path.is_dir():  # a run folder given back as RECIPE: its config is the config.yaml in it
+            hint = f" (did you mean '{path / 'config.yaml'}'?)" if (path / "config.yaml").is_file() else ""
+            raise ConfigError(f"recipe '{path}' is a folder, not a YAML file{hint}")
         if not path.is_file():
             raise ConfigError(f"recipe file '{path}' does not exist")
         try:
