@@ -47,6 +47,20 @@ def test_duplicate_name_names_both_plugins():
     assert "miles.algorithms" in str(exc.value) and "my-plugin" in str(exc.value)
 
 
+def test_one_plugin_registering_a_name_twice_is_not_told_to_block_one_of_them():
+    # the message read "registered twice: by plugin 'twice' and by plugin 'twice'; block one of them with -p no:NAME",
+    # and blocking the one plugin removes both
+    class Twice:
+        @hookimpl
+        def miles_register_rewards(self, registry):
+            registry.add("mine", lambda sample: 1.0)
+            registry.add("mine", lambda sample: 0.0)
+
+    pm = MilesPlugins(autoload=False, extra_plugins=[("twice", Twice())])
+    with pytest.raises(PluginError, match=r"^plugin 'twice' registered the reward 'mine' twice; register each under its own name$"):
+        pm.registries
+
+
 def test_hookimpl_without_spec_is_rejected():
     class Typo:
         @hookimpl

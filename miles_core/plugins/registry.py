@@ -58,6 +58,8 @@ class Registry(Generic[T]):
         self._check(name, value)
         if name in self._entries:
             first = self._entries[name].plugin
+            if first == self._current_plugin:  # blocking it would remove both
+                raise PluginError(f"plugin '{first}' registered the {self.kind} '{name}' twice; register each under its own name")
             raise PluginError(
                 f"{self.kind} '{name}' is registered twice: by plugin '{first}' and by plugin "
                 f"'{self._current_plugin}'; block one of them with -p no:NAME"
