@@ -79,11 +79,27 @@ def run(recipe, overrides, plugin_opts):
     plugins = MilesPlugins(blocked=_blocked(plugin_opts))
     cfg = load_config(path, overrides)
     signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: the run stops its launched engines (and Ray) on the way out
-    run_recipe(cfg, plugins)
+    try:
+        run_recipe(cfg, plugins)
+    except KeyboardInterrupt as exc:
+        # the shell's convention, 128 + the signal: a scheduler tells a cancelled run from a failed one (click's own
+        # "Aborted!" exits 1, as a failure does)
+        sig = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
+        Console(stderr=True).print(f"interrupted ({signal.Signals(sig).name}): the run stopped; its checkpoints and "
+                                   "metrics so far are kept", highlight=False, soft_wrap=True)
+        sys.exit(128 + sig)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised as Ctrl-C's KeyboardInterrupt (the same cleanup) that remembers its signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+    raise Terminated(signum)
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

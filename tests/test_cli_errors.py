@@ -232,3 +232,27 @@ def test_a_run_folder_given_as_the_recipe_is_named_as_a_folder(cli, tmp_path):
     (run_dir / "config.yaml").write_text("run:\n  name: kl=0.01\n")
     line = _one_line_error(cli("validate", str(run_dir)))
     assert line == f"error: recipe '{run_dir}' is a folder, not a YAML file (did you mean '{run_dir / 'config.yaml'}'?)"
+
+
+def test_ctrl_c_ends_miles_run_with_the_interrupt_exit_code(tmp_path):
+    """Ctrl-C ended `miles run` with click's "Aborted!" and exit code 1, a failed run's: a scheduler or a script could
+    not tell a cancelled run from a failed one. It exits 130 (128 + SIGINT), saying so."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "miles_cli.main", "run", f"run.output_dir={tmp_path}", "train.sft_warmup_steps=0",
+                             "run.num_rollout=10000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(p.read_text() for p in tmp_path.glob("*/metrics.jsonl")):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err.decode()[-2000:]
+    assert "interrupted (SIGINT)" in err.decode() and "Traceback" not in err.decode()

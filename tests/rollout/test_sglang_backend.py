@@ -454,6 +454,7 @@ def test_a_terminated_run_stops_its_engines(tmp_path, sig):
         assert engines  # the launched `miles serve`
         proc.send_signal(sig)
         proc.wait(60)
+        assert proc.returncode == (128 + signal.SIGTERM if sig == signal.SIGTERM else -signal.SIGKILL)  # not 1, a failure's
         deadline = time.monotonic() + 20
         while any(Path(f"/proc/{pid}").exists() for pid in engines) and time.monotonic() < deadline:
             time.sleep(0.2)
