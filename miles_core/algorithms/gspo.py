@@ -13,8 +13,9 @@ The importance ratio is per sequence, the length-normalized likelihood ratio
   token t flows through its own logprob only), with per-token advantages A_it:
   pg_it = max(-A_it s_it, -A_it clip(s_it, ...)). With A_it = A_i it equals ``gspo``'s gradient.
 
-Dual clip, mismatch weights, KL and entropy terms apply as in ppo_clip. The paper uses much
-tighter clip ranges than PPO (3e-4 / 4e-4); set ``eps_clip``/``eps_clip_high`` accordingly.
+Dual clip, the log-ratio clamp to [-20, 20], mismatch weights, KL and entropy terms apply as in
+ppo_clip. The paper uses much tighter clip ranges than PPO (3e-4 / 4e-4); set
+``eps_clip``/``eps_clip_high`` accordingly.
 Shapes: logprobs, old_logprobs, advantages, response_mask [N, T] -> loss [N, T].
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from miles_core.algorithms.config import AlgorithmConfig
-from miles_core.algorithms.losses import clipped_pg
+from miles_core.algorithms.losses import clamped_exp, clipped_pg
 from miles_core.algorithms.masked import masked_mean, seq_mean
 from miles_core.algorithms.regularizers import apply_regularizers
 from miles_core.types import LossInputs, LossOutput
@@ -40,7 +41,7 @@ def gspo(inputs: LossInputs, cfg: AlgorithmConfig) -> LossOutput:
     adv = seq_mean(inputs.advantages, mask)
     # on every token of its sequence, so that the clip metrics count tokens as ppo_clip's do: the trainer sums
     # them over micro-batches weighted by tokens (a fraction of sequences depended on the split)
-    ratio, adv = log_s.exp()[:, None].expand_as(mask), adv[:, None].expand_as(mask)
+    ratio, adv = clamped_exp(log_s)[:, None].expand_as(mask), adv[:, None].expand_as(mask)
     pg = clipped_pg(ratio, adv, mask, cfg, metrics) * mask
     return LossOutput(loss=apply_regularizers(pg, inputs, cfg, metrics), metrics=metrics)
 
@@ -50,5 +51,5 @@ def gspo_token(inputs: LossInputs, cfg: AlgorithmConfig) -> LossOutput:
     log_s = _seq_log_ratio(inputs).detach()
     metrics: dict[str, float] = {"approx_kl": float(masked_mean(0.5 * log_s[:, None] ** 2, mask))}
     log_ratio = log_s[:, None] + inputs.logprobs - inputs.logprobs.detach()
-    pg = clipped_pg(log_ratio.exp(), inputs.advantages, mask, cfg, metrics) * mask
+    pg = clipped_pg(clamped_exp(log_ratio), inputs.advantages, mask, cfg, metrics) * mask
     return LossOutput(loss=apply_regularizers(pg, inputs, cfg, metrics), metrics=metrics)

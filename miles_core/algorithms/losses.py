@@ -8,6 +8,10 @@ PPO-clip (Schulman et al. 2017, arXiv:1707.06347), per token, with ratio = exp(l
   (Yu et al. 2025, arXiv:2503.14476).
 * Dual clip (Ye et al. 2020, arXiv:1912.09729), ``clip_c = c > 1``: for A < 0 the loss is
   further bounded, pg_t = min(pg_t, -c * A), so a huge ratio on a bad token cannot blow up.
+* The log ratio is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] = [-20, 20] before the exp (as verl does): past
+  e^88.7 the fp32 ratio is inf, and -A * inf is NaN where A = 0 (every token of an all-equal GRPO group), which
+  made the whole step's loss NaN. A clamped token has no gradient; PPO-clip would give it none (A > 0) or a
+  gradient of |A| * ratio >= |A| * 5e8 (A < 0) that swamps the step's every other token.
 * Then the shared terms (regularizers.py): mismatch weights, KL loss term, entropy bonus.
 
 Metrics: ``clip_frac`` (tokens where the clipped branch is active), ``dual_clip_frac``,
@@ -25,9 +29,16 @@ from miles_core.algorithms.masked import masked_mean
 from miles_core.algorithms.regularizers import apply_regularizers
 from miles_core.types import LossInputs, LossOutput
 
+LOG_RATIO_CLAMP = 20.0
+
 
 def clip_range(cfg: AlgorithmConfig) -> tuple[float, float]:
     return cfg.eps_clip, cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
+
+
+def clamped_exp(log_ratio: torch.Tensor) -> torch.Tensor:
+    """The importance ratio from its log, finite in fp32 (see the module docstring)."""
+    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
 
 
 def clipped_pg(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cfg: AlgorithmConfig, metrics: dict) -> torch.Tensor:
@@ -49,7 +60,7 @@ def ppo_clip(inputs: LossInputs, cfg: AlgorithmConfig) -> LossOutput:
     mask = inputs.response_mask
     log_ratio = (inputs.logprobs - inputs.old_logprobs) * mask
     metrics: dict[str, float] = {"approx_kl": float(masked_mean(0.5 * log_ratio.detach() ** 2, mask))}
-    pg = clipped_pg(log_ratio.exp(), inputs.advantages, mask, cfg, metrics)
+    pg = clipped_pg(clamped_exp(log_ratio), inputs.advantages, mask, cfg, metrics)
     return LossOutput(loss=apply_regularizers(pg, inputs, cfg, metrics), metrics=metrics)
 
 

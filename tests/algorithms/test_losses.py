@@ -49,6 +49,27 @@ def test_dual_clip_bounds_negative_advantages():
     assert x.logprobs.grad[0, 0] == 0  # the bound is a constant
 
 
+@pytest.mark.parametrize("fn", [ppo_clip, gspo, gspo_token])
+def test_a_ratio_past_float_range_stays_finite(fn):
+    # sample 0's token moved 99 nats up since the old pass (ratio e^99 = inf in fp32) but its group's rewards were
+    # all equal (A = 0): -0 * inf was NaN, and one such token made the whole step's loss NaN. The log ratio is
+    # clamped to [-20, 20] before the exp, as verl does (core_algos.compute_policy_loss_vanilla): the token is
+    # clipped (A > 0) or bounded (dual clip, A < 0), with no gradient, and finite in every case
+    old = T([[-100.0], [-1.0]])
+    logp = T([[-1.0], [-1.0]], requires_grad=True)
+    x = LossInputs(logprobs=logp, old_logprobs=old, advantages=T([[0.0], [1.0]]), response_mask=torch.ones(2, 1))
+    out = fn(x, AlgorithmConfig())
+    assert out.loss.tolist() == [[0.0], [-1.0]]
+    out.loss.sum().backward()
+    assert logp.grad.tolist() == [[0.0], [-1.0]]
+    y = LossInputs(logprobs=logp.detach().clone().requires_grad_(True), old_logprobs=old,
+                   advantages=T([[-1.0], [1.0]]), response_mask=torch.ones(2, 1))
+    dual = fn(y, AlgorithmConfig(clip_c=3.0))
+    assert dual.loss.tolist() == [[3.0], [-1.0]]  # min(-A * ratio, -c * A) for A < 0
+    dual.loss.sum().backward()
+    assert y.logprobs.grad.tolist() == [[0.0], [-1.0]]
+
+
 def test_approx_kl_metric_is_k2_to_the_old_policy():
     x = loss_inputs([[math.e, 1.0]], [[0.0, 0.0]], [[1, 0]])
     assert ppo_clip(x, AlgorithmConfig()).metrics["approx_kl"] == pytest.approx(0.5)
