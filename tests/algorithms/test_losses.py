@@ -149,6 +149,16 @@ def test_tis_and_mis_at_token_and_sequence_level():
     assert m["mismatch_kl"] == pytest.approx(k3, rel=1e-5)
 
 
+def test_mismatch_kl_is_accurate_for_tiny_differences():
+    # engine and trainer a bf16 rounding apart: log w = 1e-4 (or 1e-3) on every token, whose k3 w - 1 - log w is
+    # x^2/2 + x^3/6 + ... = 5.0002e-9 (5.0017e-7). exp(x) - 1 - x in fp32 lost every digit: 0.0 (4.77e-7, -5%)
+    for x in (1e-4, 1e-3, -1e-3):
+        old, rollout = torch.full((4, 64), x), torch.zeros(4, 64)
+        k3 = math.expm1(float(old[0, 0])) - float(old[0, 0])
+        m = mismatch_weights(old, rollout, torch.ones(4, 64), AlgorithmConfig())[1]
+        assert m["mismatch_kl"] == pytest.approx(k3, rel=1e-4)
+
+
 def test_mismatch_weight_multiplies_the_policy_loss():
     x = loss_inputs([[1.0, 1.0]], [[1.0, 1.0]], [[1, 1]], rollout_logprobs=T([[-1.0 - LN(3), -1.0]]))
     out = ppo_clip(x, AlgorithmConfig(mismatch_correction="tis", mismatch_cap=2.0))
