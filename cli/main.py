@@ -158,7 +158,7 @@ def plugins(as_json, plugin_opts):
 @click.option("--port", default=30000, show_default=True, type=click.IntRange(0, 65535), help="0: any free port.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N")
 @click.option("--dtype", default="auto", show_default=True, help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32")
-@click.option("--max-num-seqs", default=256, show_default=True, type=int, help="Sequences decoded at once.")
+@click.option("--max-num-seqs", default=256, show_default=True, type=click.IntRange(min=1), help="Sequences decoded at once.")
 @click.option("--max-model-len", default=8192, show_default=True, type=int)
 @click.option("--max-request-bytes", default=64 << 20, show_default=True, type=click.IntRange(min=1), help="Larger request bodies get 413.")
 @click.option("--seed", default=0, show_default=True, type=int)

@@ -99,7 +99,7 @@ def test_validate_ok(cli):
 
 
 def test_serve_options_out_of_range(cli, tmp_path):
-    for opt, value in (("--port", "99999"), ("--port", "-1"), ("--max-request-bytes", "0")):
+    for opt, value in (("--port", "99999"), ("--port", "-1"), ("--max-request-bytes", "0"), ("--max-num-seqs", "0")):
         proc = cli("serve", str(tmp_path), opt, value)
         assert proc.returncode == 2 and f"Invalid value for '{opt}'" in proc.stderr, (opt, value, proc.stderr)
 
