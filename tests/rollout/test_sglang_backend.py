@@ -318,6 +318,43 @@ def _serve(handler, mode=None):
     return srv, f"http://127.0.0.1:{srv.server_address[1]}"
 
 
+class _Queued(_Stalls):
+    """A stub of SGLang's answer to a request still in its waiting queue when ``/abort_request`` comes (tokenizer
+    manager's ``_handle_abort_req``, stubbed since SGLang cannot run here): no ``output_ids`` and no
+    ``output_token_logprobs``, even with ``return_logprob``; ``miles serve`` answers such a request with empty lists."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/abort_request":
+            self.server.aborted.set()
+            self._reply(200, {"success": True})
+            return
+        self.server.aborted.wait(5.0)
+        out = {"text": "", "meta_info": {"id": "r", "finish_reason": {"type": "abort", "message": "Abort before prefill"},
+                                         "prompt_tokens": 0, "completion_tokens": 0}}
+        n = body["sampling_params"]["n"]
+        self._reply(200, [out] * n if n > 1 else out)  # n > 1: one answer per sample, as a list
+
+
+def test_abort_all_with_requests_still_queued_on_sglang():
+    # a big rollout has most requests queued on SGLang (beyond --max-running-requests); abort_all (partial rollouts, a
+    # run that stops) got SGLang's "Abort before prefill" answer for them, which has no output_token_logprobs: generate
+    # raised "malformed response" instead of returning the aborted samples
+    srv, url = _serve(_Queued)
+    try:
+        b = SglangBackend(SglangConfig(urls=[url]), CharTokenizer(), "", "/tmp")
+        result = {}
+        t = threading.Thread(target=lambda: result.update(s=b.generate(PROMPTS[:2], SamplingParams(max_new_tokens=2), n=2)))
+        t.start()
+        time.sleep(0.3)
+        b.abort_all()
+        t.join(10)
+        assert [(s.group_id, s.finish_reason, s.response_ids, s.rollout_logprobs) for s in result["s"]] == \
+            [(g, "abort", [], []) for g in (0, 0, 1, 1)]
+    finally:
+        srv.shutdown()
+
+
 def test_a_failed_group_does_not_wait_for_the_others():
     # one engine answers a group with an error while another generates for minutes: generate raised only once every
     # other group had finished (up to request_timeout_s), and left the other server generating

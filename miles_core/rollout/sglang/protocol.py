@@ -45,8 +45,14 @@ def generate_body(prompt_ids: list[int], params: SamplingParams, n: int) -> dict
 def parse_output(out: Any, url: str) -> tuple[list[int], list[float], str, int | None]:
     """One answer of /generate -> (output ids, their logprobs, finish reason, weight version)."""
     meta = field(out, "meta_info", url, dict)
-    triples = field(meta, "output_token_logprobs", url, list)
-    ids = out.get("output_ids") if isinstance(out, dict) else None
+    fr = meta.get("finish_reason")
+    reason = fr.get("type") if isinstance(fr, dict) else fr
+    if reason == "abort" and "output_token_logprobs" not in meta:
+        # SGLang's answer to a request aborted while still queued ("Abort before prefill"): no tokens, no logprobs
+        triples = []
+    else:
+        triples = field(meta, "output_token_logprobs", url, list)
+    ids = out.get("output_ids")
     try:
         lps = [float(t[0]) for t in triples]
         lp_ids = [int(t[1]) for t in triples]
@@ -56,8 +62,6 @@ def parse_output(out: Any, url: str) -> tuple[list[int], list[float], str, int |
         ids = lp_ids
     if not isinstance(ids, list) or list(ids) != lp_ids:
         raise MilesUserError(f"{url}: malformed response, field 'output_ids' does not match 'meta_info.output_token_logprobs'")
-    fr = meta.get("finish_reason")
-    reason = fr.get("type") if isinstance(fr, dict) else fr
     if reason not in ("stop", "length", "abort"):
         raise MilesUserError(f"{url}: malformed response, field 'meta_info.finish_reason' is {fr!r}")
     version = meta.get("weight_version")
