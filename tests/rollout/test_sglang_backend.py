@@ -424,6 +424,58 @@ def test_a_live_server_that_never_answers_is_one_clear_error(mode, match, launch
         srv.shutdown()
 
 
+class _SlowHealth(_Bad):
+    """A stub of a real SGLang server's /health (SGLang cannot run here): with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION
+    (its default) /health sends a one-token request and answers 200 only after an ``asyncio.sleep(1)``, so never in
+    under a second. /generate drops its first request (a crashed handler), then answers."""
+
+    def do_GET(self):
+        if self.path == "/health":
+            time.sleep(1.2)
+        super().do_GET()
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.server.posts += 1
+        if self.server.posts == 1:
+            return
+        self._reply(200, {"output_ids": [5], "meta_info": {"output_token_logprobs": [[-0.5, 5, None]], "finish_reason": {"type": "length"},
+                                                          "weight_version": "0"}})
+
+
+def test_a_launched_sglang_server_whose_health_takes_a_second_comes_up(tmp_path):
+    # wait_healthy probed /health with a 1 s timeout: a real SGLang server's /health never answers that fast, so every
+    # launched SGLang engine "did not answer /health within rollout.sglang.startup_timeout_s"
+    from miles_core.rollout.sglang.launch import LaunchedServer, wait_healthy
+
+    srv, url = _serve(_SlowHealth)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        wait_healthy(LaunchedServer(url, proc, tmp_path / "log"), 8)
+    finally:
+        proc.kill()
+        proc.wait()
+        srv.shutdown()
+
+
+def test_a_dropped_request_on_a_live_sglang_engine_is_sent_again():
+    # after a live launched engine dropped a request, _after_failure waited for it to answer /health within 1 s before
+    # sending the request again: SGLang's never does, so the group waited startup_timeout_s + 60 s and failed
+    srv, url = _serve(_SlowHealth)
+    srv.posts = 0
+    try:
+        b = SglangBackend(SglangConfig(urls=[url], startup_timeout_s=1), CharTokenizer(), "", "/tmp")
+        b.engines[0].server = _StaysUp()
+        b.monitor = EngineMonitor(1, lambda i: True, lambda i: None)
+        result = {}
+        t = threading.Thread(target=lambda: result.update(s=b.generate(PROMPTS[:1], SamplingParams(max_new_tokens=1))), daemon=True)
+        t.start()
+        t.join(15)
+        assert [(s.response_ids, s.metadata["attempts"]) for s in result["s"]] == [([5], 2)]
+    finally:
+        srv.shutdown()
+
+
 def test_parse_output_checks_fields():
     good = {"output_ids": [5, 6], "meta_info": {"output_token_logprobs": [[-0.5, 5, None], [-1.0, 6, None]],
                                                 "finish_reason": {"type": "stop", "matched": 2}, "weight_version": "3"}}

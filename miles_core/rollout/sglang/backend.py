@@ -322,7 +322,7 @@ class SglangBackend:
                 return others[eng.index % len(others)]
             if self._abort.is_set():
                 return eng
-            if not eng.dead() and eng.up.is_set() and healthy(url, timeout=1.0):
+            if not eng.dead() and eng.up.is_set() and healthy(url):
                 return eng  # a transient error on a live engine: try again
             time.sleep(0.05)
         raise MilesUserError(f"{url}: engine {eng.index} did not come back within {self.cfg.startup_timeout_s + 60:.0f} s")

@@ -61,7 +61,12 @@ def field(obj: Any, name: str, url: str, kind: type | tuple[type, ...] | None = 
     return value
 
 
-def healthy(url: str, timeout: float = 2.0) -> bool:
+# SGLang's /health sends a one-token request and answers once the scheduler has produced anything since: never in
+# under a second (it polls every second), up to its 20 s HEALTH_CHECK_TIMEOUT on a busy server
+HEALTH_TIMEOUT_S = 25.0
+
+
+def healthy(url: str, timeout: float = HEALTH_TIMEOUT_S) -> bool:
     try:
         request(url.rstrip("/") + "/health", timeout=timeout)
         return True

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_core.errors import ConfigError, MilesUserError
-from miles_core.rollout.sglang.http import healthy
+from miles_core.rollout.sglang.http import HEALTH_TIMEOUT_S, healthy
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def wait_healthy(server: LaunchedServer, timeout: float) -> None:
             tail = server.log_path.read_text(errors="replace")[-1500:] if server.log_path.exists() else ""
             raise MilesUserError(f"the rollout server at {server.url} exited with code {server.proc.returncode} while starting; "
                                  f"its log ({server.log_path}) ends:\n{tail}")
-        if healthy(server.url, timeout=1.0):
+        if healthy(server.url, timeout=max(1.0, min(HEALTH_TIMEOUT_S, deadline - time.monotonic()))):
             return
         time.sleep(0.05)
     server.stop()
