@@ -502,6 +502,15 @@ def test_sglang_flags_pass_through():
     assert "--mem-fraction-static" not in miles and "--enable-torch-compile" not in miles  # unknown: dropped with a warning
 
 
+def test_sglang_json_options_are_passed_as_json():
+    # SGLang reads --json-model-override-args (and --preferred-sampling-params, --model-loader-extra-config) with
+    # json.loads; the config parses such a value into a mapping, which went to the server as Python's repr
+    # ("{'rope_scaling': ...}"), so the launched server failed to start with a JSON decode error
+    cfg = load_config(None, ["rollout.backend=sglang", "--sglang-json-model-override-args", '{"rope_scaling": {"type": "yarn", "factor": 4.0}}'])
+    cmd = server_command("sglang", "/m", 1234, cfg.rollout.sglang.server_args)
+    assert json.loads(cmd[cmd.index("--json-model-override-args") + 1]) == {"rope_scaling": {"type": "yarn", "factor": 4.0}}
+
+
 def _one_line_error(proc) -> str:
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]

@@ -2,7 +2,7 @@
 
 ``python -m sglang.launch_server`` when sglang is importable (or ``launcher: sglang``), else
 ``python -m miles_cli.main serve``. ``server_args`` go to SGLang as they are (``--KEY VALUE``,
-underscores as dashes, ``true`` as a bare switch). ``miles serve`` understands a few of SGLang's
+underscores as dashes, ``true`` as a bare switch, a mapping as JSON). ``miles serve`` understands a few of SGLang's
 options under its own names (:data:`MILES_EQUIVALENTS`); it has no use for the others (memory
 fractions, parallelism, attention backends...), which are dropped with one warning each.
 """
@@ -10,6 +10,7 @@ fractions, parallelism, attention backends...), which are dropped with one warni
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -56,6 +57,8 @@ def _flag(name: str, value: Any) -> list[str]:
         return [opt]
     if value is False or value is None:
         return []
+    if isinstance(value, dict):  # SGLang's JSON options (--json-model-override-args...) take json.loads' text
+        return [opt, json.dumps(value)]
     if isinstance(value, list):
         return [opt, *map(str, value)]
     return [opt, str(value)]
