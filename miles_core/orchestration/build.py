@@ -189,6 +189,7 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
     if cfg.run.num_threads > 0:
         torch.set_num_threads(cfg.run.num_threads)
     platform, device = select_platform(regs.platforms, cfg.run.device)
+    check_precision(cfg.train.precision, regs.precision_recipes, device)  # before a model is loaded
     source = model_source(cfg)
     gguf = gguf_file(source)  # model.hf_checkpoint=smollm2 or a .gguf path: model and tokenizer from one file
     if gguf is not None:
@@ -220,7 +221,6 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
     check_algorithm(cfg, estimator)
     check_placement(cfg)  # here too, so miles validate refuses what miles run would refuse at its start
     teacher = load_teacher(cfg, families=regs.model_families, vocab_size=model.config.vocab_size)
-    regs.precision_recipes.get(cfg.train.precision, key="train.precision")
     return Components(
         ctx=ctx,
         task=task,
@@ -237,6 +237,14 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
         teacher=teacher,
         estimator_needs_old_logprobs=getattr(estimator, "needs_old_logprobs", False),
     )
+
+
+def check_precision(name: str, recipes, device: torch.device) -> None:
+    """``train.precision=name`` must be able to run on ``device``: refused here, not by its kernels at the first step."""
+    recipe = recipes.get(name, key="train.precision")
+    why = plugin_call(f"unavailable of {_component(recipes, name)}", recipe.unavailable, device)
+    if why:
+        raise ConfigError(f"train.precision={name} cannot run on {device}: {why}")
 
 
 def _component(registry, name: str) -> str:

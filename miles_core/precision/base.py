@@ -29,5 +29,10 @@ class PrecisionRecipe:
         The core's recipes use none; a plugin's recipe may swap kernels here (e.g. a TorchFunctionMode)."""
         return contextlib.nullcontext()
 
+    def unavailable(self, device: torch.device) -> str | None:
+        """Why this recipe cannot run on ``device`` (e.g. a GPU too old for its kernels), or None. Checked as the
+        run starts, so that the config is refused there and not at the first step. The core's recipes run anywhere."""
+        return None
+
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.to(self.param_dtype)

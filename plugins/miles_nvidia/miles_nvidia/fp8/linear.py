@@ -76,6 +76,7 @@ def wgrad_gemm() -> tuple[str, tuple[int, int, int, int] | None]:
 
 
 WGRAD_MODES = ("blocks", "tiles", "dy_blocks")
+FP8_MIN_CAPABILITY = (8, 9)  # Triton's e4m3 (fp8e4nv): Ada and newer
 
 
 def wgrad_mode() -> str:
@@ -234,6 +235,19 @@ class Fp8Recipe(PrecisionRecipe):
             p.data = p.data.to(self.param_dtype)
         convert_to_fp8(model)
         return model
+
+    def unavailable(self, device: torch.device) -> str | None:
+        """On CUDA the quantisers and the GEMM fallback are Triton kernels on e4m3, which Triton compiles for
+        compute capability 8.9 and newer only (the CPU runs the torch emulation)."""
+        if device.type != "cuda":
+            return None
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < FP8_MIN_CAPABILITY:
+            return (
+                f"blockwise FP8 needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper) for e4m3; "
+                f"this one is sm_{major}{minor}; use train.precision=bf16"
+            )
+        return None
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
