@@ -41,3 +41,15 @@ def test_fp8_is_accepted_on_sm89_and_sm90_and_on_cpu(monkeypatch):
         with monkeypatch.context() as m:
             _fake_gpu(m, cap)
             assert _build("run.device=cuda", "train.precision=fp8").ctx.device.type == "cuda"
+
+
+def test_batch_invariant_mode_on_cpu_without_the_triton_interpreter_is_refused(monkeypatch):
+    """The mode's kernels are Triton kernels: on CPU tensors outside the interpreter it sends every op back to
+    torch, so the recipe (fp32 weights, no autocast) ran the whole run in plain fp32, neither bf16 nor
+    batch-invariant (nothing kept rollout and training logprobs bitwise equal), and said nothing. Under
+    TRITON_INTERPRET=1 it runs."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match=r"train\.precision=bf16_batch_invariant cannot run on cpu: .*TRITON_INTERPRET=1"):
+        _build("run.device=cpu", "train.precision=bf16_batch_invariant")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _build("run.device=cpu", "train.precision=bf16_batch_invariant").ctx.device.type == "cpu"

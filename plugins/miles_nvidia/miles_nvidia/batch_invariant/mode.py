@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from miles_core.precision.base import PrecisionRecipe
 from miles_nvidia.batch_invariant.kernels import bi_attention, bi_log_softmax, bi_matmul, bi_row_sum
-from miles_nvidia.runtime import triton_ok
+from miles_nvidia.runtime import interpreting, triton_ok
 
 
 class _Linear(torch.autograd.Function):
@@ -190,3 +190,14 @@ class BatchInvariantRecipe(PrecisionRecipe):
 
     def kernel_mode(self, device: torch.device) -> contextlib.AbstractContextManager:
         return BatchInvariantMode(self.mode_dtype)
+
+    def unavailable(self, device: torch.device) -> str | None:
+        """The mode's kernels are Triton kernels: off CUDA, outside the interpreter, it would hand every op back to
+        torch, and the run would compute in plain fp32 (no autocast) with nothing batch-invariant."""
+        if device.type == "cuda" or interpreting():
+            return None
+        return (
+            "its batch-invariant kernels are Triton kernels, which run on CUDA, or on the CPU under the Triton "
+            "interpreter (TRITON_INTERPRET=1, slow); without them the run would be plain fp32 and not batch-invariant. "
+            "Use train.precision=fp32 or bf16, or set TRITON_INTERPRET=1"
+        )
