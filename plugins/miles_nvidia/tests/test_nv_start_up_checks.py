@@ -53,3 +53,60 @@ def test_batch_invariant_mode_on_cpu_without_the_triton_interpreter_is_refused(m
         _build("run.device=cpu", "train.precision=bf16_batch_invariant")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert _build("run.device=cpu", "train.precision=bf16_batch_invariant").ctx.device.type == "cpu"
+
+
+def test_without_triton_the_plugin_registers_no_kernels_and_refuses_its_recipes():
+    """``pip install --no-deps`` (the README's command) or a CPU-only torch leaves Triton out. The registration
+    hooks imported it, so every miles command (the CPU quickstart included, and ``miles plugins``) failed with
+    "plugin 'miles_nvidia' raised ModuleNotFoundError: No module named 'triton'". Now the core's kernels serve,
+    the transports stay, and train.precision=fp8 or bf16_batch_invariant is refused as the run starts.
+    In a subprocess whose import system refuses ``triton`` (it is installed here)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = r"""
+import json, sys
+class NoTriton:
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ModuleNotFoundError("No module named 'triton'", name="triton")
+sys.meta_path.insert(0, NoTriton())
+from miles_core.config.loader import load_config
+from miles_core.errors import ConfigError
+from miles_core.orchestration.build import build
+from nvidia_helpers import plugins
+from test_nv_start_up_checks import TINY
+pm = plugins()
+regs = pm.registries
+out = {"kernels": regs.kernels.by_plugin("miles_nvidia"), "transports": regs.weight_transports.by_plugin("miles_nvidia"),
+       "fp32": str(build(load_config(None, [*TINY, "train.precision=fp32"]), pm, None).ctx.device)}
+for name in ("fp8", "bf16_batch_invariant"):
+    try:
+        build(load_config(None, [*TINY, "train.precision=" + name]), pm, None)
+        out[name] = "built"
+    except ConfigError as exc:
+        out[name] = str(exc)
+print(json.dumps(out))
+"""
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), *sys.path])}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, cwd=here)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["kernels"] == [] and out["transports"] == ["cuda_ipc", "cuda_ipc_fp8", "nccl"] and out["fp32"] == "cpu"
+    for name in ("fp8", "bf16_batch_invariant"):
+        assert out[name].startswith(f"train.precision={name} cannot run on cpu: ") and "Triton" in out[name], out[name]
+
+
+def test_a_triton_older_than_the_plugin_asks_for_is_treated_as_missing(monkeypatch):
+    """Stands in for an installed Triton 3.1 (pyproject asks >= 3.2): its version string is patched."""
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", "3.1.0")
+    regs = plugins().registries
+    assert regs.kernels.by_plugin("miles_nvidia") == []
+    with pytest.raises(ConfigError, match=r"train\.precision=fp8 cannot run on cpu: .*Triton 3\.1\.0 is older than 3\.2"):
+        _build("run.device=cpu", "train.precision=fp8")
