@@ -110,3 +110,13 @@ def test_a_triton_older_than_the_plugin_asks_for_is_treated_as_missing(monkeypat
     assert regs.kernels.by_plugin("miles_nvidia") == []
     with pytest.raises(ConfigError, match=r"train\.precision=fp8 cannot run on cpu: .*Triton 3\.1\.0 is older than 3\.2"):
         _build("run.device=cpu", "train.precision=fp8")
+
+
+@pytest.mark.parametrize("transport", ["cuda_ipc", "cuda_ipc_fp8", "nccl"])
+@pytest.mark.parametrize("backend", ["builtin", "sglang"])
+def test_engine_process_transports_with_a_core_rollout_backend_are_refused_at_start_up(transport, backend):
+    """The plugin's transports hand weights to an engine in another process (IpcEngineProxy, a broadcast receiver);
+    the core's backends are neither. miles validate said ok and miles run went through the SFT warm-up and the
+    first step before the first weight sync raised; now build refuses the pair, naming both keys."""
+    with pytest.raises(ConfigError, match=rf"sync\.transport={transport} .*rollout\.backend={backend}"):
+        _build("run.device=cpu", f"sync.transport={transport}", f"rollout.backend={backend}")

@@ -62,7 +62,23 @@ class NcclTransport:
         backend.finish_weight_broadcast()
 
 
+# the core's rollout backends: the built-in engine runs in the trainer's process and the sglang backend syncs
+# through its server; neither joins a broadcast (begin_weight_broadcast) nor takes IPC handles (update_weights_ipc)
+CORE_BACKENDS = {"builtin": "in_process", "sglang": "sglang_tensor, distributed or disk"}
+
+
+def check_engine_process_backend(ctx, transport: str) -> None:
+    """Refuse at start-up what ``push`` would refuse at the first weight sync: a core rollout backend."""
+    backend = ctx.config.rollout.backend
+    if backend in CORE_BACKENDS:
+        raise ConfigError(
+            f"sync.transport={transport} hands weights to an engine in another process, which rollout.backend={backend} "
+            f"is not; use sync.transport={CORE_BACKENDS[backend]}"
+        )
+
+
 def make_nccl(ctx) -> NcclTransport:
+    check_engine_process_backend(ctx, "nccl")
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("sync.transport=nccl needs torch.distributed initialised (trainer and engines in one group)")
     return NcclTransport(src=dist.get_rank())
@@ -129,8 +145,10 @@ class IpcTransport:
 
 
 def make_cuda_ipc(ctx) -> IpcTransport:
+    check_engine_process_backend(ctx, "cuda_ipc")
     return IpcTransport()
 
 
 def make_cuda_ipc_fp8(ctx) -> IpcTransport:
+    check_engine_process_backend(ctx, "cuda_ipc_fp8")
     return IpcTransport(fp8=True)
