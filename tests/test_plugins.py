@@ -527,3 +527,25 @@ def test_miles_plugins_says_when_a_plugin_implements_no_hook(tmp_path, cli):
     assert "(lifecycle hooks only)" in rows["listener"], rows
     assert "(registered nothing)" in rows["idle"], rows
     assert "nohooks hooks: (none)" in out.stdout and "listener hooks: miles_run_start" in out.stdout
+
+
+def test_a_plugin_whose_registration_raises_is_reported_after_the_others_are_listed():
+    """keep_broken (miles plugins) covered plugins that fail to import, not one whose registration hook raises: that
+    error stopped the listing, so the command that shows what is installed showed nothing."""
+
+    class Raises:
+        @hookimpl
+        def miles_register_rewards(self, registry):
+            raise RuntimeError("needs a licence server")
+
+    class Fine:
+        @hookimpl
+        def miles_register_rewards(self, registry):
+            registry.add("fine_reward", lambda s: 1.0)
+
+    pm = MilesPlugins(autoload=False, extra_plugins=[("raises", Raises()), ("fine", Fine())], keep_broken=True)
+    infos = {i.name: i for i in pm.info()}
+    assert "fine_reward" in infos["fine"].registered["rewards"] and "miles.tasks" in infos
+    assert pm.broken == {"raises": "plugin 'raises' raised RuntimeError: needs a licence server (in miles_register_rewards)"}
+    with pytest.raises(PluginError, match="plugin 'raises' raised RuntimeError"):  # elsewhere it is still an error
+        MilesPlugins(autoload=False, extra_plugins=[("raises", Raises())]).registries

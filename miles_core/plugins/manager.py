@@ -100,15 +100,17 @@ class MilesPlugins:
         extra_plugins: Iterable[tuple[str, object]] = (),
         keep_broken: bool = False,
     ) -> None:
-        """``keep_broken``: a plugin that fails to import is left out and its error kept in ``broken`` (for
-        ``miles plugins``, which lists the others), instead of a PluginError."""
+        """``keep_broken``: a plugin that fails to import, or whose registration hook raises when :meth:`info` fills
+        the registries, is left out and its error kept in ``broken`` (for ``miles plugins``, which lists the others),
+        instead of a PluginError."""
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs.MilesSpecs)
         self.blocked = tuple(blocked)
         self._versions: dict[str, str] = {}
         self._builtin: set[str] = set()
         self._packages: dict[str, tuple[str, str]] = {}  # entry point plugin name -> (its package, its module path)
-        self.broken: dict[str, str] = {}  # plugin name -> why it failed to import (keep_broken)
+        self.broken: dict[str, str] = {}  # plugin name -> why it failed to import or register (keep_broken)
+        self._keep_broken = keep_broken
         for name in self.blocked:
             self.pm.set_blocked(name)
         if trace if trace is not None else _env_flag("MILES_TRACE_PLUGINS"):
@@ -207,6 +209,10 @@ class MilesPlugins:
     @cached_property
     def registries(self) -> Registries:
         """Every registry, filled by calling each plugin's registration hooks one plugin at a time."""
+        return self._fill_registries(None)
+
+    def _fill_registries(self, broken: dict[str, str] | None) -> Registries:
+        """The registries; with ``broken``, a plugin whose registration raises is recorded there and skipped."""
         regs = Registries()
         names = self.plugin_names()
         for kind, registry in regs.items():
@@ -216,12 +222,12 @@ class MilesPlugins:
                 others = [self.pm.get_plugin(n) for n in names if n != impl.plugin_name]
                 try:
                     self.pm.subset_hook_caller(hook_name, remove_plugins=others)(registry=registry)
-                except PluginError:
-                    raise
                 except Exception as exc:  # a broken plugin must say which one it is, like a failed import
-                    raise PluginError(
-                        f"plugin '{impl.plugin_name}' raised {type(exc).__name__}: {exc} (in {hook_name})"
-                    ) from exc
+                    error = exc if isinstance(exc, PluginError) else PluginError(
+                        f"plugin '{impl.plugin_name}' raised {type(exc).__name__}: {exc} (in {hook_name})")
+                    if broken is None:
+                        raise error from exc
+                    broken.setdefault(impl.plugin_name, str(error))
             registry._bind("<unknown>")
         return regs
 
@@ -232,7 +238,7 @@ class MilesPlugins:
         return [name for name, _ in self._loaded()]
 
     def info(self) -> list[PluginInfo]:
-        regs = self.registries
+        regs = self._fill_registries(self.broken if self._keep_broken else None)
         out = []
         for name, plugin in self._loaded():
             hooks = tuple(sorted(h.name for h in self.pm.get_hookcallers(plugin) or ()))
