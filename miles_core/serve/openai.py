@@ -72,6 +72,8 @@ def _item(server, body: dict, chat: bool) -> GenerateItem:
     params, n = parse_sampling(sp)
     top = 0
     want = flag(body.get("logprobs"), "'logprobs'") if chat else body.get("logprobs") is not None
+    if chat and not want and body.get("top_logprobs") not in (None, 0):
+        raise BadRequest("'top_logprobs' needs 'logprobs': true")
     if chat and want:
         top = body.get("top_logprobs") or 0
         if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:

@@ -120,6 +120,8 @@ def test_bad_requests_name_the_field(client):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1000}, "'top_logprobs'"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": -1}, "'top_logprobs'"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": "3"}, "'top_logprobs'"),
+        # OpenAI refuses top_logprobs without logprobs; it was ignored, and the client got no logprobs at all
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "'top_logprobs' needs 'logprobs': true"),
     ]:
         status, out = client.post(path, body)
         assert status == 400 and reason in out["error"]["message"], (path, body, out)
