@@ -254,5 +254,5 @@ def test_a_stream_carries_the_logprobs_it_was_asked_for(client, chat):
         assert [t for p in parts for t in p["tokens"]] == final["tokens"] and len(final["tokens"]) == 10
         assert [lp for p in parts for lp in p["token_logprobs"]] == pytest.approx(final["token_logprobs"], abs=1e-5)
         assert [len(row) for p in parts for row in p["top_logprobs"]] == [len(row) for row in final["top_logprobs"]]
-    plain = client.stream(path, {**body, "stream": True, "logprobs": False if chat else None})
+    plain = client.stream(path, {**body, "stream": True, "logprobs": False if chat else None, "top_logprobs": None})
     assert all(e["choices"][0].get("logprobs") is None for e in plain)
