@@ -160,3 +160,25 @@ def test_a_moe_config_without_num_experts_per_tok_routes_to_transformers_default
     ids = torch.tensor([PROMPTS[2]])
     with torch.no_grad():
         torch.testing.assert_close(ours.lm_head(ours(ids)), hf(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_moe_routing_of_a_preempted_request_is_recorded_once(tmp_path):
+    """A preempted request is recomputed from its first token: its routing is that of the tokens it fed, once, as when
+    it runs alone (the routing from before the preemption was kept and the recomputed prefix appended to it)."""
+    make_hf_model("qwen3_moe", tmp_path)
+    model = load_miles(tmp_path)
+    params = SamplingParams(max_new_tokens=20, temperature=0.7, seed=3)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2][:13]]
+    core = EngineCore(model, EngineConfig(block_size=4, decode_steps=3, max_batched_tokens=3, num_blocks=12, max_model_len=40))
+    reqs = [core.add_request(p, params)[0] for p in prompts]
+    preempted = set()
+    while core.has_unfinished():
+        core.step()
+        preempted |= {r.request_id for r in core.scheduler.waiting if r.output_ids}
+    assert preempted  # the tiny pool forces preemption
+    for prompt, req in zip(prompts, reqs):
+        (alone,) = run_all(EngineCore(model, EngineConfig(block_size=4, decode_steps=3, prefix_caching=False)), [prompt], params)
+        assert req.output_ids == alone.output_ids
+        routed = torch.cat(req.routed_experts)
+        assert routed.shape == (len(prompt) + len(req.output_ids) - 1, 2, 2)
+        assert torch.equal(routed, torch.cat(alone.routed_experts))

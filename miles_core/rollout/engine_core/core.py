@@ -314,8 +314,10 @@ class EngineCore:
         offset = 0
         for req, n in plan.chunks:
             if routed is not None:
-                if req.num_computed == req.num_cached and req.num_cached and req.leader is not None:
-                    req.routed_experts = [torch.cat(req.leader.routed_experts)[: req.num_cached]]
+                if req.num_computed == req.num_cached:  # its first chunk since admission: the routing starts over
+                    # (a preempted request recomputes from its first token); a group's cached prompt is the leader's
+                    lead = req.leader if req.num_cached else None
+                    req.routed_experts = [torch.cat(lead.routed_experts)[: req.num_cached]] if lead is not None else []
                 req.routed_experts.append(routed[offset : offset + n].cpu())
             offset += n
             req.num_computed += n
