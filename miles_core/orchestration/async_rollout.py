@@ -192,6 +192,11 @@ class AsyncSchedule:
         self._paused.clear()
         self._resume.set()
 
+    def pending_prompts(self) -> int:
+        """0: the groups in flight were drawn in stream order but finish in any order, so no stream position leaves out
+        exactly them; a checkpoint counts them as consumed (docs/orchestration.md, Resuming a run)."""
+        return 0
+
     def close(self) -> None:
         self._halt()
 

@@ -336,7 +336,8 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             history.append(record)
             on_metrics(record)
             if trainer is not None and save_due(cfg.run, step):
-                state = LoopState(step, version, consumed, first_eval, getattr(c.task, "data_fingerprint", None))
+                # one_step_off's generation ahead drew the next step's prompts: not trained yet, so not consumed
+                state = LoopState(step, version, consumed - source.pending_prompts(), first_eval, getattr(c.task, "data_fingerprint", None))
                 save_checkpoint(Path(cfg.run.save), state, trainer, backend, c.family, tokenizer_files(tok), aux.critic)
         evals = [h for h in history if "eval_accuracy" in h]
         if not evals and resume is not None and backend is not None:

@@ -52,6 +52,11 @@ class SyncSchedule:
     def after_sync(self, version: int) -> None:
         """Called after the push (and the eval that may follow it): the engine holds ``version``."""
 
+    def pending_prompts(self) -> int:
+        """How many of the prompts drawn so far belong to samples not yet returned by ``get`` (a checkpoint's data
+        position leaves them out, so that a resumed run draws and trains them)."""
+        return 0
+
     def close(self) -> None:
         pass
 
@@ -59,6 +64,14 @@ class SyncSchedule:
 class OneStepOffSchedule(SyncSchedule):
     def __init__(self, *args) -> None:
         super().__init__(*args)
+        draw, self._drawn = self.next_prompts, {}  # step -> prompts drawn for it
+
+        def counted(n: int, step: int) -> list[Prompt]:
+            prompts = draw(n, step)
+            self._drawn[step] = self._drawn.get(step, 0) + len(prompts)
+            return prompts
+
+        self.next_prompts = counted
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-rollout")
         self._ahead: tuple[int, Future] | None = None
         self._closing = threading.Event()  # set by close: the generation ahead stops without scoring its samples
@@ -69,6 +82,7 @@ class OneStepOffSchedule(SyncSchedule):
         else:
             result = super().get(step)
         self._ahead = None
+        self._drawn = {k: v for k, v in self._drawn.items() if k > step}
         if step < self.last_step:
             self._ahead = (step + 1, self._pool.submit(_generate, self.c, self.backend, self.next_prompts, self.params, step + 1,
                                                        self._closing.is_set))
@@ -77,6 +91,14 @@ class OneStepOffSchedule(SyncSchedule):
     def before_sync(self) -> None:
         if self._ahead is not None:
             self._ahead[1].exception()  # wait; an error surfaces from get()
+
+    def pending_prompts(self) -> int:
+        """The prompts of the generation running ahead (once it ends: dynamic sampling may draw more), not trained yet."""
+        if self._ahead is None:
+            return 0
+        step, fut = self._ahead
+        fut.exception()
+        return self._drawn.get(step, 0)
 
     def close(self) -> None:
         """A generation still running ahead means the run stops early (an error, Ctrl-C): nobody trains on its
@@ -104,6 +126,9 @@ class LoadedRollouts:
 
     def after_sync(self, version: int) -> None:
         pass
+
+    def pending_prompts(self) -> int:
+        return 0
 
     def close(self) -> None:
         pass

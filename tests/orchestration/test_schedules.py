@@ -434,3 +434,37 @@ def test_rollout_throughput_is_the_generated_tokens_over_the_generation(tmp_path
     for r in (r for r in records if r["step"] > 0):
         tokens, seconds = generated[r["step"]]
         assert r["rollout_tok_s"] == pytest.approx(tokens / seconds, rel=0.2), (r["step"], tokens, seconds)
+
+
+class TrainedPrompts:
+    """Per step, the prompts of the samples handed to the trainer (one per group); raises Killed after ``kill_after``."""
+
+    def __init__(self, kill_after=None):
+        self.steps, self.kill_after = {}, kill_after
+
+    @hookimpl
+    def miles_after_rollout(self, ctx, step, samples):
+        self.steps[step] = [s.prompt for s in samples if s.index % ctx.config.rollout.n_samples_per_prompt == 0]
+
+    @hookimpl
+    def miles_after_train_step(self, ctx, step, metrics):
+        if self.kill_after is not None and step > self.kill_after:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("schedule", ["one_step_off"])
+def test_a_resumed_run_trains_every_prompt_once(tmp_path, schedule):
+    # one_step_off draws step k+1's prompts while step k trains; the checkpoint after step k counted them as consumed,
+    # so the resumed run started one batch further in the stream: those prompts were never trained on
+    save = tmp_path / "ckpt"
+    args = ("run.num_rollout=4", f"orchestration.schedule={schedule}", "rollout.max_response_len=8", "run.eval_every=100")
+    full = TrainedPrompts()
+    _run(tiny_config(tmp_path / "a", *args), full)
+    first = TrainedPrompts(kill_after=2)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tiny_config(tmp_path / "b", *args, f"run.save={save}", "run.save_interval=2"), first)
+    assert json.loads((save / "step_000002" / "loop.json").read_text())["prompts_consumed"] == 2 * 4
+    second = TrainedPrompts()
+    _run(tiny_config(tmp_path / "c", *args, f"run.save={save}", "run.resume=true"), second)
+    assert sorted(second.steps) == [3, 4]
+    assert [first.steps[1], first.steps[2], second.steps[3], second.steps[4]] == [full.steps[k] for k in (1, 2, 3, 4)]
