@@ -37,6 +37,7 @@ from miles_core.errors import ConfigError
 from miles_core.orchestration.collect import _score
 from miles_core.orchestration.seeds import SEED_KEY, prompt_seed
 from miles_core.rollout.base import SamplingParams
+from miles_core.rollout.engine import trim_stop
 from miles_core.types import Prompt, Sample
 
 
@@ -50,6 +51,7 @@ class _Partial:
     resumed_at: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     request_id: str | None = None
+    stop_ids: frozenset[int] = frozenset()  # the engine's (stop tokens, special-token stop strings, EOS)
     cut: bool = False  # aborted with new tokens: its continuation opens a new segment
 
 
@@ -103,7 +105,7 @@ class AsyncSchedule:
             if req.output_ids:  # a request aborted before its first token adds no segment
                 part.versions.append(req.weight_version)
                 part.cut = req.finish_reason == "abort"
-            part.finish_reason = req.finish_reason
+            part.finish_reason, part.stop_ids = req.finish_reason, req.stop_ids
             if all(p.finish_reason not in (None, "abort") for p in group):
                 self.groups.remove(group)
                 self.done.put(group)
@@ -143,8 +145,9 @@ class AsyncSchedule:
     # ------------------------------------------------------------------ the loop's side
     def _sample(self, part: _Partial, gi: int, index: int) -> Sample:
         tok, p = self.c.ctx.tokenizer, part.prompt
-        stop_ids = set(self.params.stop_token_ids) | ({tok.eos_token_id} if getattr(tok, "eos_token_id", None) is not None else set())
-        text = tok.decode([t for t in part.response_ids if t not in stop_ids])
+        # as BuiltinEngine.generate makes it: without stop tokens, up to the first stop string
+        text = tok.decode([t for t in part.response_ids if t not in part.stop_ids])
+        text = trim_stop(text, self.params.stop) if self.params.stop else text
         meta = {**p.metadata, "weight_versions": list(part.versions), "resumed_at": list(part.resumed_at)}
         return Sample(p.text, list(p.prompt_ids), list(part.response_ids), text, list(part.logprobs), p.label, gi, index,
                       part.finish_reason, min(part.versions), metadata=meta)

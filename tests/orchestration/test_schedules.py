@@ -468,3 +468,23 @@ def test_a_resumed_run_trains_every_prompt_once(tmp_path, schedule):
     _run(tiny_config(tmp_path / "c", *args, f"run.save={save}", "run.resume=true"), second)
     assert sorted(second.steps) == [3, 4]
     assert [first.steps[1], first.steps[2], second.steps[3], second.steps[4]] == [full.steps[k] for k in (1, 2, 3, 4)]
+
+
+class Responses:
+    @hookimpl
+    def miles_after_rollout(self, ctx, step, samples):
+        self.rows = getattr(self, "rows", []) + [(s.response, ctx.tokenizer.decode(s.response_ids), s.finish_reason) for s in samples]
+
+
+@pytest.mark.parametrize("schedule", ["sync", "async"])
+def test_a_response_ends_before_its_stop_string_with_every_schedule(tmp_path, schedule):
+    # the async schedule built its samples' text from every generated token: a response stopped by a stop string kept it
+    # (the built-in engine and SGLang leave it out), so rewards and task scores saw another text under async
+    cfg = tiny_config(tmp_path, "run.num_rollout=2", f"orchestration.schedule={schedule}", "rollout.max_response_len=24",
+                      "rollout.temperature=1.0", "rollout.stop=[\"1\",\"2\",\"3\"]")
+    rec = Responses()
+    _run(cfg, rec)
+    stopped = [(resp, full) for resp, full, reason in rec.rows if reason == "stop" and any(s in full for s in "123")]
+    assert len(stopped) > 0  # the stop strings were met
+    assert all(not any(s in resp for s in "123") for resp, _, _ in rec.rows)
+    assert all(full.startswith(resp) for resp, full in stopped)
