@@ -27,6 +27,7 @@ dynamic sampling is not supported with this schedule. Local placement with the b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -111,36 +112,44 @@ class AsyncSchedule:
                 self.done.put(group)
 
     def _run(self) -> None:
+        # every engine step inside the precision recipe's kernel_mode, as BuiltinEngine.generate runs them (a plugin's
+        # batch-invariant kernels); entered in this thread, since a TorchFunctionMode holds for its own thread only
+        precision = getattr(self.backend, "precision", None)
+        mode = precision.kernel_mode(self.backend.device) if precision is not None else contextlib.nullcontext()
         try:
-            while not self._stop.is_set():
-                if self._pause.is_set():
-                    for rid in list(self.by_request):
-                        self.core.abort(rid)
-                    self._collect(self.core.step())  # the aborted requests, with their partial outputs
-                    self._paused.set()
-                    self._resume.wait()
-                    self._resume.clear()
-                    for group in self.groups:
-                        for part in group:
-                            if part.finish_reason == "abort":
-                                if part.cut:
-                                    part.resumed_at.append(len(part.response_ids))
-                                part.finish_reason, part.cut = None, False
-                                self._submit(group, part)
-                    continue
-                self._top_up()
-                if self.core.has_unfinished():
-                    t0 = time.perf_counter()
-                    outputs = self.core.step()
-                    with self._lock:
-                        self._engine_s += time.perf_counter() - t0
-                        self._engine_tokens += sum(len(out.new_ids) for out in outputs)
-                    self._collect(outputs)
-                else:
-                    time.sleep(0.001)
+            with mode:
+                self._loop()
         except BaseException as exc:  # surfaced by get()
             self._error = exc
             self._paused.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if self._pause.is_set():
+                for rid in list(self.by_request):
+                    self.core.abort(rid)
+                self._collect(self.core.step())  # the aborted requests, with their partial outputs
+                self._paused.set()
+                self._resume.wait()
+                self._resume.clear()
+                for group in self.groups:
+                    for part in group:
+                        if part.finish_reason == "abort":
+                            if part.cut:
+                                part.resumed_at.append(len(part.response_ids))
+                            part.finish_reason, part.cut = None, False
+                            self._submit(group, part)
+                continue
+            self._top_up()
+            if self.core.has_unfinished():
+                t0 = time.perf_counter()
+                outputs = self.core.step()
+                with self._lock:
+                    self._engine_s += time.perf_counter() - t0
+                    self._engine_tokens += sum(len(out.new_ids) for out in outputs)
+                self._collect(outputs)
+            else:
+                time.sleep(0.001)
 
     # ------------------------------------------------------------------ the loop's side
     def _sample(self, part: _Partial, gi: int, index: int) -> Sample:

@@ -1,5 +1,7 @@
 """Schedules, deterministic seeds, saved rollouts and --resume, end to end on a tiny CPU config."""
 
+import contextlib
+import dataclasses
 import json
 import re
 import threading
@@ -488,3 +490,54 @@ def test_a_response_ends_before_its_stop_string_with_every_schedule(tmp_path, sc
     assert len(stopped) > 0  # the stop strings were met
     assert all(not any(s in resp for s in "123") for resp, _, _ in rec.rows)
     assert all(full.startswith(resp) for resp, full in stopped)
+
+
+class MarkedPrecision:
+    """A plugin's precision recipe 'marked' whose kernel_mode notes which threads are inside it; EngineCore.step then
+    records whether it ran there (as a batch-invariant recipe's kernel swap would apply or not)."""
+
+    def __init__(self):
+        self.inside, self.steps = set(), []
+
+    @hookimpl
+    def miles_register_precision_recipes(self, registry):
+        from miles_core.precision.base import PrecisionRecipe
+
+        marks = self
+
+        @dataclasses.dataclass(frozen=True)
+        class Marked(PrecisionRecipe):
+            def kernel_mode(self, device):
+                return marks.mode()
+
+        registry.add("marked", Marked("marked"))
+
+    @contextlib.contextmanager
+    def mode(self):
+        me = threading.get_ident()
+        self.inside.add(me)
+        try:
+            yield
+        finally:
+            self.inside.discard(me)
+
+
+@pytest.mark.parametrize("schedule", ["sync", "one_step_off", "async"])
+def test_every_rollout_engine_step_runs_in_the_precision_recipes_kernel_mode(tmp_path, monkeypatch, schedule):
+    # the async schedule steps the built-in engine from its own thread, outside the recipe's kernel_mode that
+    # BuiltinEngine.generate enters: a batch-invariant recipe's rollout ran on the default kernels, its logprobs off the
+    # trainer's (the recipe promises that every engine step runs inside it)
+    marks = MarkedPrecision()
+    step = EngineCore.step
+
+    def marked(self):
+        if self.has_unfinished():  # not the empty step after a shutdown's aborts
+            marks.steps.append(threading.get_ident() in marks.inside)
+        return step(self)
+
+    monkeypatch.setattr(EngineCore, "step", marked)
+    cfg = tiny_config(tmp_path, "run.num_rollout=2", f"orchestration.schedule={schedule}", "train.precision=marked",
+                      "rollout.max_response_len=24", "rollout.temperature=1.0")
+    summary, _ = _run(cfg, marks)
+    assert summary["status"] == "completed" and len(marks.steps) >= 4, marks.steps
+    assert all(marks.steps), f"{marks.steps.count(False)} of {len(marks.steps)} engine steps outside kernel_mode"
