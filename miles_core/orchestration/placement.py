@@ -52,6 +52,9 @@ def check_placement(cfg) -> None:
     o = cfg.orchestration
     if o.placement == "ray_colocated" and o.schedule != "sync":
         raise ConfigError("orchestration.placement=ray_colocated shares the GPUs in turns: it needs orchestration.schedule=sync")
+    if o.schedule == "async" and cfg.rollout.backend == "sglang":  # here, not when the loop makes the schedule (after the warm-up)
+        raise ConfigError("orchestration.schedule=async drives the built-in engine in process: use rollout.backend=builtin "
+                          "(with rollout.backend=sglang, orchestration.schedule=one_step_off overlaps rollout and training)")
     if o.placement != "local" and (cfg.algorithm.needs_teacher or cfg.algorithm.advantage_estimator == "ppo"):
         raise ConfigError("Ray placements do not run a teacher or a critic yet; use orchestration.placement=local")
     if o.placement != "local" and cfg.run.mode == "sft":

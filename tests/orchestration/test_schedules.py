@@ -541,3 +541,12 @@ def test_every_rollout_engine_step_runs_in_the_precision_recipes_kernel_mode(tmp
     summary, _ = _run(cfg, marks)
     assert summary["status"] == "completed" and len(marks.steps) >= 4, marks.steps
     assert all(marks.steps), f"{marks.steps.count(False)} of {len(marks.steps)} engine steps outside kernel_mode"
+
+
+def test_async_with_sglang_engines_is_refused_before_anything_runs(tmp_path):
+    # schedule=async drives the built-in engine's core in process; with rollout.backend=sglang the run found out only
+    # when the loop made the schedule: after launching the servers, the SFT warm-up and the first eval (and miles
+    # validate passed it)
+    cfg = tiny_config(tmp_path, "orchestration.schedule=async", "rollout.backend=sglang")
+    with pytest.raises(ConfigError, match=r"schedule=async .*rollout.backend=builtin"):
+        build(cfg, MilesPlugins(autoload=False), None)
