@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from miles_core.errors import ConfigError
 from miles_core.orchestration.collect import _score
-from miles_core.orchestration.seeds import SEED_KEY, prompt_seed
+from miles_core.orchestration.seeds import INDEX_KEY, SEED_KEY, prompt_seed
 from miles_core.rollout.base import SamplingParams
 from miles_core.rollout.engine import trim_stop
 from miles_core.types import Prompt, Sample
@@ -72,6 +72,7 @@ class AsyncSchedule:
         self._pause, self._paused, self._resume, self._stop = (threading.Event() for _ in range(4))
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        self._groups_lock = threading.Lock()  # a group drawn is in self.groups or self.done (pending_prompts)
         self._engine_s, self._engine_tokens = 0.0, 0  # since the last get: seconds in core.step(), tokens it gave
         self._thread = threading.Thread(target=self._run, name="miles-async-rollout", daemon=True)
         self._thread.start()
@@ -88,10 +89,11 @@ class AsyncSchedule:
 
     def _top_up(self) -> None:
         while len(self.groups) + self.done.qsize() < 2 * self.want:
-            (prompt,) = self.next_prompts(1, self.version + 1)
-            seed = prompt.metadata.get(SEED_KEY)
-            group = [_Partial(prompt, None if seed is None else seed + i) for i in range(self.n)]
-            self.groups.append(group)
+            with self._groups_lock:
+                (prompt,) = self.next_prompts(1, self.version + 1)
+                seed = prompt.metadata.get(SEED_KEY)
+                group = [_Partial(prompt, None if seed is None else seed + i) for i in range(self.n)]
+                self.groups.append(group)
             for part in group:
                 self._submit(group, part)
 
@@ -108,8 +110,9 @@ class AsyncSchedule:
                 part.cut = req.finish_reason == "abort"
             part.finish_reason, part.stop_ids = req.finish_reason, req.stop_ids
             if all(p.finish_reason not in (None, "abort") for p in group):
-                self.groups.remove(group)
-                self.done.put(group)
+                with self._groups_lock:
+                    self.groups.remove(group)
+                    self.done.put(group)
 
     def _run(self) -> None:
         # every engine step inside the precision recipe's kernel_mode, as BuiltinEngine.generate runs them (a plugin's
@@ -204,10 +207,11 @@ class AsyncSchedule:
         self._paused.clear()
         self._resume.set()
 
-    def pending_prompts(self) -> int:
-        """0: the groups in flight were drawn in stream order but finish in any order, so no stream position leaves out
-        exactly them; a checkpoint counts them as consumed (docs/orchestration.md, Resuming a run)."""
-        return 0
+    def pending_prompts(self) -> list[int]:
+        """The stream indices of the groups in flight or waiting (not dropped, not taken by ``get``): the thread draws
+        and registers a group under ``_groups_lock``, so none is between the two here."""
+        with self._groups_lock:
+            return [g[0].prompt.metadata[INDEX_KEY] for g in [*self.groups, *list(self.done.queue)]]
 
     def close(self) -> None:
         self._halt()

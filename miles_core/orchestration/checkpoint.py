@@ -5,7 +5,8 @@
         trainer/             sharded trainer state (torch.distributed.checkpoint, every rank)
         rng_rank<r>.pt       this rank's RNG states: torch, CUDA, python, the rollout engine's
         critic.pt            the PPO critic (advantage_estimator=ppo): value model, head, optimizer
-        loop.json            step, weight version, prompts consumed (the data position), the data's fingerprint
+        loop.json            step, weight version, prompts consumed (the data position) and those of them drawn
+                             but not trained yet (pending), the data's fingerprint
         hf/                  the policy as an HF safetensors folder (+ tokenizer): the model to build
     <save>/hf/               the final model (orchestration/run.py)
 
@@ -24,7 +25,7 @@ import logging
 import os
 import random
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,6 +47,9 @@ class LoopState:
     eval_accuracy_first: float | None = None
     data_fingerprint: dict | None = None  # the task's (None: a task without one, or a checkpoint saved before Miles recorded it)
     mode: str = "rl"  # the run.mode that saved it: rl, or sft (whose step and position are examples, not prompts)
+    # stream indices (< prompts_consumed) drawn for rollouts not trained yet when it was saved (one_step_off's generation
+    # ahead, async's groups in flight or waiting): a resumed run draws them first
+    prompts_pending: list[int] = field(default_factory=list)
 
 
 def save_due(run_cfg, step: int) -> bool:

@@ -29,7 +29,7 @@ from miles_core.orchestration.checkpoint import (LoopState, find_checkpoint, loa
 from miles_core.orchestration.placement import make_placement
 from miles_core.orchestration.rollout_io import save_rollouts
 from miles_core.orchestration.schedules import make_source
-from miles_core.orchestration.seeds import SEED_KEY, prompt_seed
+from miles_core.orchestration.seeds import INDEX_KEY, SEED_KEY, prompt_seed
 from miles_core.orchestration.sft_loop import run_sft
 from miles_core.rewards.runner import score_samples
 from miles_core.rollout.base import SamplingParams
@@ -224,6 +224,7 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
         remove_killed_saves(Path(cfg.run.save))
     resume = ckpt if trainer is not None else None
     consumed, start, first_eval = 0, 1, None
+    replay: list[tuple[int, Prompt]] = []  # (stream index, prompt) the checkpoint's run drew but did not train: drawn first
     source = None
     failure: BaseException | None = None
     try:
@@ -240,8 +241,11 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             aux = build_aux_models(c, trainer)
             state = load_checkpoint(resume, trainer, backend, aux.critic)
             consumed, start, version, first_eval = state.prompts_consumed, state.step + 1, state.version, state.eval_accuracy_first
-            for _ in range(consumed):
-                next(stream)
+            pending = set(state.prompts_pending)
+            for i in range(consumed):
+                p = next(stream)
+                if i in pending:
+                    replay.append((i, p))
             if backend is not None:
                 c.transport.push(trainer.weights(), version, backend)
                 ctx.plugins.after_weight_sync(ctx, version)
@@ -279,13 +283,15 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             nonlocal consumed
             # A task may serve one Prompt object again (a file, epoch after epoch; twice in a batch where an epoch
             # ends): each use gets its own metadata, so that its step and sampling seed are not another use's.
-            prompts = [dataclasses.replace(p, metadata=dict(p.metadata)) for p in itertools.islice(stream, n)]
-            prompts = _tokenize(prompts, tok)
-            for i, p in enumerate(prompts):
+            drawn = [replay.pop(0) for _ in range(min(n, len(replay)))]
+            drawn += [(consumed + i, p) for i, p in enumerate(itertools.islice(stream, n - len(drawn)))]
+            prompts = _tokenize([dataclasses.replace(p, metadata=dict(p.metadata)) for _, p in drawn], tok)
+            for (index, _), p in zip(drawn, prompts):
                 p.metadata.setdefault("step", step)
+                p.metadata[INDEX_KEY] = index  # the schedules report the untrained ones by it (pending_prompts)
                 if cfg.orchestration.deterministic:
-                    p.metadata[SEED_KEY] = prompt_seed(cfg.run.seed, step, consumed + i)
-            consumed += len(prompts)
+                    p.metadata[SEED_KEY] = prompt_seed(cfg.run.seed, step, index)
+            consumed = max([consumed, *(index + 1 for index, _ in drawn)])
             return prompts
 
         r = cfg.rollout
@@ -336,8 +342,11 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             history.append(record)
             on_metrics(record)
             if trainer is not None and save_due(cfg.run, step):
-                # one_step_off's generation ahead drew the next step's prompts: not trained yet, so not consumed
-                state = LoopState(step, version, consumed - source.pending_prompts(), first_eval, getattr(c.task, "data_fingerprint", None))
+                # the position first, then what is pending: a prompt the async thread draws in between is past it
+                position, waiting = consumed, [i for i, _ in list(replay)]
+                pending = sorted({*waiting, *(i for i in source.pending_prompts() if i < position)})
+                state = LoopState(step, version, position, first_eval, getattr(c.task, "data_fingerprint", None),
+                                  prompts_pending=pending)
                 save_checkpoint(Path(cfg.run.save), state, trainer, backend, c.family, tokenizer_files(tok), aux.critic)
         evals = [h for h in history if "eval_accuracy" in h]
         if not evals and resume is not None and backend is not None:

@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from miles_core.orchestration.collect import collect
 from miles_core.orchestration.rollout_io import load_rollouts
+from miles_core.orchestration.seeds import INDEX_KEY
 from miles_core.rollout.base import SamplingParams
 from miles_core.types import Prompt, Sample
 
@@ -52,10 +53,10 @@ class SyncSchedule:
     def after_sync(self, version: int) -> None:
         """Called after the push (and the eval that may follow it): the engine holds ``version``."""
 
-    def pending_prompts(self) -> int:
-        """How many of the prompts drawn so far belong to samples not yet returned by ``get`` (a checkpoint's data
-        position leaves them out, so that a resumed run draws and trains them)."""
-        return 0
+    def pending_prompts(self) -> list[int]:
+        """The stream indices (``INDEX_KEY``) of the prompts drawn for samples not yet returned by ``get``: a checkpoint
+        records them, and a resumed run draws them first."""
+        return []
 
     def close(self) -> None:
         pass
@@ -64,11 +65,11 @@ class SyncSchedule:
 class OneStepOffSchedule(SyncSchedule):
     def __init__(self, *args) -> None:
         super().__init__(*args)
-        draw, self._drawn = self.next_prompts, {}  # step -> prompts drawn for it
+        draw, self._drawn = self.next_prompts, {}  # step -> stream indices of the prompts drawn for it
 
         def counted(n: int, step: int) -> list[Prompt]:
             prompts = draw(n, step)
-            self._drawn[step] = self._drawn.get(step, 0) + len(prompts)
+            self._drawn.setdefault(step, []).extend(p.metadata[INDEX_KEY] for p in prompts)
             return prompts
 
         self.next_prompts = counted
@@ -92,13 +93,13 @@ class OneStepOffSchedule(SyncSchedule):
         if self._ahead is not None:
             self._ahead[1].exception()  # wait; an error surfaces from get()
 
-    def pending_prompts(self) -> int:
+    def pending_prompts(self) -> list[int]:
         """The prompts of the generation running ahead (once it ends: dynamic sampling may draw more), not trained yet."""
         if self._ahead is None:
-            return 0
+            return []
         step, fut = self._ahead
         fut.exception()
-        return self._drawn.get(step, 0)
+        return list(self._drawn.get(step, []))
 
     def close(self) -> None:
         """A generation still running ahead means the run stops early (an error, Ctrl-C): nobody trains on its
@@ -127,8 +128,8 @@ class LoadedRollouts:
     def after_sync(self, version: int) -> None:
         pass
 
-    def pending_prompts(self) -> int:
-        return 0
+    def pending_prompts(self) -> list[int]:
+        return []
 
     def close(self) -> None:
         pass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 
 SEED_KEY = "sampling_seed"  # Prompt.metadata key the built-in engine reads
+INDEX_KEY = "stream_index"  # Prompt.metadata key: the prompt's place in the training stream (0-based)
 
 
 def prompt_seed(run_seed: int, step: int, prompt_index: int) -> int:
