@@ -301,7 +301,8 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             history.append(record)
             on_metrics(record)
             first_eval = record["eval_accuracy"]
-        source = make_source(c, backend, next_prompts, params, cfg.run.num_rollout)  # async: generation starts here
+        if start <= cfg.run.num_rollout:  # else (a resumed finished run) none: async's thread would step the engine in the eval
+            source = make_source(c, backend, next_prompts, params, cfg.run.num_rollout)  # async: generation starts here
         for step in range(start, cfg.run.num_rollout + 1):
             timer = Timer()
             t0 = time.perf_counter()

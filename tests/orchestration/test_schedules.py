@@ -581,3 +581,31 @@ def test_an_async_resume_trains_the_prompts_in_flight_at_the_checkpoint(tmp_path
     assert len(set(before + after)) == len(before + after) == 16  # no prompt trained twice
     assert set(before) | set(pending) == set(range(saved["prompts_consumed"]))  # drawn: trained or pending
     assert set(pending) <= set(after) | set(final["prompts_pending"])  # each pending one trained after, or still pending
+
+
+def test_resuming_a_finished_async_run_evaluates_on_an_idle_engine(tmp_path, monkeypatch):
+    # a resume whose checkpoint is already at run.num_rollout trains nothing and scores the held-out set; the async
+    # schedule had been made all the same, and its rollout thread drew prompts and stepped the engine core while that
+    # eval stepped it too (two threads in one EngineCore). Main-thread steps here wait (up to 2 s, once) for the
+    # rollout thread to step, so that a thread running beside the eval is always seen
+    save = tmp_path / "ckpt"
+    args = ("run.num_rollout=1", "orchestration.schedule=async", "rollout.max_response_len=8", f"run.save={save}")
+    _run(tiny_config(tmp_path / "a", *args))
+    threads, rollout_stepped = [], threading.Event()
+    step = EngineCore.step
+
+    def watched(self):
+        name = threading.current_thread().name
+        if name == "miles-async-rollout":
+            rollout_stepped.set()
+        elif not threads:
+            rollout_stepped.wait(timeout=2.0)
+        threads.append(name)
+        return step(self)
+
+    monkeypatch.setattr(EngineCore, "step", watched)
+    records = []
+    summary, _ = run_loop(build(tiny_config(tmp_path / "b", *args, "run.resume=true"), MilesPlugins(autoload=False), None),
+                          records.append)
+    assert summary["status"] == "completed" and summary["eval_accuracy_last"] is not None and records == []
+    assert "MainThread" in threads and "miles-async-rollout" not in threads
