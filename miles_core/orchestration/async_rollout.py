@@ -12,7 +12,8 @@ sample as a new request: the prompt plus its partial response as the prompt, the
 budget, and a seed derived from the sample's seed and its length. The sample keeps one list of
 response tokens and logprobs across segments; ``metadata["weight_versions"]`` lists the version of
 each segment and ``metadata["resumed_at"]`` the response length at each continuation.
-``Sample.weight_version`` is the oldest segment's version.
+``Sample.weight_version`` is the oldest segment's version. A prompt's ``metadata["step"]`` (and its deterministic
+seed's step) is the step whose groups ``get`` was collecting when it was drawn; a later step may take it.
 
 Metrics: ``time_generate`` is how long ``get`` waited for its groups (the engine runs meanwhile, not only then), so
 the throughput ``rollout_tok_s`` is the engine's own: the tokens it generated since the previous ``get`` over the
@@ -57,7 +58,7 @@ class _Partial:
 
 
 class AsyncSchedule:
-    def __init__(self, c, backend, next_prompts, params: SamplingParams, last_step: int) -> None:
+    def __init__(self, c, backend, next_prompts, params: SamplingParams, last_step: int, first_step: int = 1) -> None:
         cfg = c.ctx.config
         core = getattr(backend, "core", None)
         if core is None:
@@ -66,6 +67,7 @@ class AsyncSchedule:
         self.want, self.n = cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt
         self.max_staleness, self.last_step = cfg.orchestration.max_staleness, last_step
         self.version = backend.weight_version
+        self.step = first_step  # the step whose groups get collects next: the label of the prompts drawn now
         self.done: queue.Queue[list[_Partial]] = queue.Queue()
         self.groups: list[list[_Partial]] = []  # in flight
         self.by_request: dict[str, tuple[list[_Partial], _Partial]] = {}
@@ -90,7 +92,7 @@ class AsyncSchedule:
     def _top_up(self) -> None:
         while len(self.groups) + self.done.qsize() < 2 * self.want:
             with self._groups_lock:
-                (prompt,) = self.next_prompts(1, self.version + 1)
+                (prompt,) = self.next_prompts(1, self.step)
                 seed = prompt.metadata.get(SEED_KEY)
                 group = [_Partial(prompt, None if seed is None else seed + i) for i in range(self.n)]
                 self.groups.append(group)
@@ -190,6 +192,7 @@ class AsyncSchedule:
             if self._engine_s > 0:
                 metrics["rollout_tok_s"] = self._engine_tokens / self._engine_s
             self._engine_s, self._engine_tokens = 0.0, 0
+        self.step = step + 1
         if step >= self.last_step:  # nobody trains on more samples: stop generating (and drawing prompts) now
             self._halt()
         return out, metrics

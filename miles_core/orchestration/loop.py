@@ -302,7 +302,7 @@ def run_loop(c: Components, on_metrics) -> tuple[dict[str, Any], Any]:
             on_metrics(record)
             first_eval = record["eval_accuracy"]
         if start <= cfg.run.num_rollout:  # else (a resumed finished run) none: async's thread would step the engine in the eval
-            source = make_source(c, backend, next_prompts, params, cfg.run.num_rollout)  # async: generation starts here
+            source = make_source(c, backend, next_prompts, params, cfg.run.num_rollout, start)  # async: generation starts here
         for step in range(start, cfg.run.num_rollout + 1):
             timer = Timer()
             t0 = time.perf_counter()

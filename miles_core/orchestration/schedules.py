@@ -135,13 +135,13 @@ class LoadedRollouts:
         pass
 
 
-def make_source(c, backend, next_prompts: NextPrompts, params: SamplingParams, last_step: int):
+def make_source(c, backend, next_prompts: NextPrompts, params: SamplingParams, last_step: int, first_step: int = 1):
     run, orch = c.ctx.config.run, c.ctx.config.orchestration
     if run.load_rollouts:
         return LoadedRollouts(run.load_rollouts, c.model.config.vocab_size)
     if orch.schedule == "async":
         from miles_core.orchestration.async_rollout import AsyncSchedule
 
-        return AsyncSchedule(c, backend, next_prompts, params, last_step)
+        return AsyncSchedule(c, backend, next_prompts, params, last_step, first_step)
     cls = OneStepOffSchedule if orch.schedule == "one_step_off" else SyncSchedule
     return cls(c, backend, next_prompts, params, last_step)

@@ -609,3 +609,32 @@ def test_resuming_a_finished_async_run_evaluates_on_an_idle_engine(tmp_path, mon
                           records.append)
     assert summary["status"] == "completed" and summary["eval_accuracy_last"] is not None and records == []
     assert "MainThread" in threads and "miles-async-rollout" not in threads
+
+
+class PromptSteps:
+    @hookimpl
+    def miles_after_rollout(self, ctx, step, samples):
+        self.steps = getattr(self, "steps", {})
+        self.steps[step] = [s.metadata["step"] for s in samples]
+
+
+@pytest.mark.parametrize("extra", [("run.mode=rollout",), ("train.sft_warmup_steps=1", "train.sft_batch_size=4")])
+def test_async_prompts_are_labelled_with_the_step_they_are_drawn_for(tmp_path, extra):
+    # the async thread labelled each prompt (metadata.step, saved with the rollouts; the step of its deterministic seed)
+    # with the engine's weight version + 1: every prompt of a run.mode=rollout run (no pushes) said step 1, and after an
+    # SFT warm-up (version 1 before step 1) every label was one step ahead. A prompt is labelled with the step whose
+    # samples were being collected when it was drawn: never past the step that takes it
+    cfg = tiny_config(tmp_path, "run.num_rollout=3", "orchestration.schedule=async", "rollout.max_response_len=8",
+                      "run.eval_every=100", *extra)
+    rec = PromptSteps()
+    if "run.mode=rollout" in extra:
+        c = build(cfg, MilesPlugins(autoload=False, extra_plugins=[("rec", rec)]), tmp_path / "out")
+        c.trainer_factory = None
+        run_loop(c, lambda r: None)
+    else:
+        _run(cfg, rec)
+    assert sorted(rec.steps) == [1, 2, 3]
+    assert set(rec.steps[1]) == {1}
+    assert all(1 <= label <= step for step, labels in rec.steps.items() for label in labels), rec.steps
+    # after step 1 took 4 of the 8 groups drawn, the next ones were drawn for step 2: steps 2 and 3 take at least 4
+    assert sum(label >= 2 for step in (2, 3) for label in rec.steps[step]) >= 4 * 2
