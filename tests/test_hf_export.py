@@ -88,22 +88,15 @@ def test_a_checkpoint_of_an_hf_tokenizer_run_reloads_with_its_tokenizer(tmp_path
     """--save writes step_N/hf (what --resume builds the model and tokenizer from) and DIR/hf with
     tokenizer_files(tokenizer): a run on an HF tokenizer (an HF folder, SmolLM2's GGUF) wrote no tokenizer there,
     so --resume failed with 'cannot load a tokenizer', and DIR/hf did not load in transformers as a whole."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from miles_core.testing.tokenizers import byte_level_bpe
 
     from miles_core.data.tokenizer import HFTokenizer, load_tokenizer
     from miles_core.models.checkpoint import save_hf_folder
     from miles_core.models.decoder import Decoder, DecoderConfig
     from miles_core.orchestration.build import tokenizer_files
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(["reverse the string: abcdef"] * 20, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
-    hf_tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
-    tok = HFTokenizer.wrap(hf_tok)
+    tok = HFTokenizer.wrap(byte_level_bpe("reverse the string: abcdef",
+                                          chat_template="{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"))
     model = Decoder(DecoderConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
     save_hf_folder(model, MilesPlugins(autoload=False).registries.model_families.get("llama"), tmp_path / "hf", tokenizer_files(tok))
     back = load_tokenizer(tmp_path / "hf")
@@ -121,8 +114,7 @@ def test_an_hf_model_s_own_eos_ids_end_rl_rollouts_and_travel_with_its_checkpoin
     import json
 
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from miles_core.testing.tokenizers import byte_level_bpe
 
     from miles_core.data.tokenizer import load_tokenizer
     from miles_core.models.checkpoint import save_hf_folder
@@ -132,13 +124,8 @@ def test_an_hf_model_s_own_eos_ids_end_rl_rollouts_and_travel_with_its_checkpoin
     from miles_core.rollout.engine import BuiltinEngine
     from miles_core.types import Prompt
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(["reverse the string: abcdef"] * 20, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     src = tmp_path / "src"
-    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>").save_pretrained(src)
+    byte_level_bpe("reverse the string: abcdef").save_pretrained(src)
     tok = load_tokenizer(src)
     torch.manual_seed(0)
     model = Decoder(DecoderConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
@@ -161,20 +148,14 @@ def _folder_without_eos(path: Path, generation_eos: int | None) -> None:
     names (what the model itself stops on), else none anywhere."""
     import json
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from miles_core.testing.tokenizers import byte_level_bpe
 
     from miles_core.data.tokenizer import HFTokenizer
     from miles_core.models.checkpoint import save_hf_folder
     from miles_core.models.decoder import Decoder, DecoderConfig
     from miles_core.orchestration.build import tokenizer_files
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(["reverse the string: abcdef"] * 20, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<end>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = HFTokenizer.wrap(PreTrainedTokenizerFast(tokenizer_object=bpe))
+    tok = HFTokenizer.wrap(byte_level_bpe("reverse the string: abcdef", ("<end>",), eos=None))
     assert tok.eos_token_id is None and tok.pad_token_id is None
     model = Decoder(DecoderConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
     save_hf_folder(model, MilesPlugins(autoload=False).registries.model_families.get("llama"), path, tokenizer_files(tok))

@@ -171,21 +171,12 @@ def test_a_chat_template_without_a_system_role_is_one_clear_error():
     the run ended in a jinja2 traceback. It is now one DataError naming the roles, and an empty system_prompt
     leaves the system turn out, so that such a model can be used."""
     needs_rg()
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     from miles_core.data.tokenizer import HFTokenizer
     from miles_core.errors import DataError
     from miles_core.orchestration.loop import _tokenize
+    from miles_core.testing.tokenizers import GEMMA_LIKE, byte_level_bpe
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    bpe.train_from_iterator(["Calculate 1 + 2 ="] * 5, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
-    hf_tok.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
-                            "{% endif %}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>")
-    tok = HFTokenizer.wrap(hf_tok)
+    tok = HFTokenizer.wrap(byte_level_bpe("Calculate 1 + 2 =", repeat=5, chat_template=GEMMA_LIKE))
     with pytest.raises(DataError, match=r"^the tokenizer's chat template cannot render messages with roles \[system, user\]: "
                                         r"TemplateError: System role not supported"):
         _tokenize(make_task(num_eval=1, config=EASY).eval_prompts(), tok)

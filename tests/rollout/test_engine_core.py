@@ -590,17 +590,11 @@ def test_a_stop_string_that_is_a_special_token_stops_on_it():
     """The engine's text leaves special tokens out (skip_special_tokens), so stop=["<|im_end|>"] never matched: the
     response ran on to max_new_tokens past the turn's end. A stop string that spells a special token now stops on its
     id. The model's rows of one token it emits greedily and of <|im_end|> are swapped, so that it emits <|im_end|>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     from miles_core.data.tokenizer import HFTokenizer
+    from miles_core.testing.tokenizers import byte_level_bpe
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    bpe.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10,
-                            trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                special_tokens=["<|endoftext|>", "<|im_end|>"]))
-    tok = HFTokenizer.wrap(PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>"))
+    tok = HFTokenizer.wrap(byte_level_bpe("the quick brown fox jumps over the lazy dog", ("<|endoftext|>", "<|im_end|>"),
+                                          "<|endoftext|>", repeat=10))
     end = tok.special_token_id("<|im_end|>")
     assert end is not None and tok.special_token_id("fox") is None and tok.decode([end]) == ""
     model = tiny(vocab=tok.vocab_size)

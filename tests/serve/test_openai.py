@@ -162,24 +162,15 @@ def test_a_flag_that_is_not_a_boolean_is_a_400(client):
 @pytest.fixture(scope="module")
 def templated(tmp_path_factory):
     """A server whose model folder has an HF tokenizer with a Gemma-like chat template (no system role)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     from miles_core.data.tokenizer import HFTokenizer
     from miles_core.models.checkpoint import save_hf_folder
     from miles_core.models.decoder import Decoder, DecoderConfig
+    from miles_core.testing.tokenizers import GEMMA_LIKE, byte_level_bpe
     from miles_core.plugins.manager import MilesPlugins
     from miles_core.rollout.engine_core.config import EngineConfig
     from miles_core.serve.app import build_server
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    bpe.train_from_iterator(["<user>what is 2+2<assistant>4"] * 5, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
-    hf_tok.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
-                            "{% endif %}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>")
-    tok = HFTokenizer.wrap(hf_tok)
+    tok = HFTokenizer.wrap(byte_level_bpe("<user>what is 2+2<assistant>4", repeat=5, chat_template=GEMMA_LIKE))
     torch.manual_seed(0)
     model = Decoder(DecoderConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
     path = tmp_path_factory.mktemp("serve") / "templated"
