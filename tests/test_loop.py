@@ -701,3 +701,19 @@ def test_response_len_counts_the_response_not_its_trained_tokens(tmp_path):
     run_loop(build(tiny_config(tmp_path, "run.num_rollout=2", "rollout.max_response_len=6"), pm, None), records.append)
     rl = [r for r in records if r.get("phase") == "rl" and r["step"] > 0]
     assert [r["response_len"] for r in rl] == pytest.approx(plugin.lengths) and min(plugin.lengths) > 1
+
+
+def test_a_bad_sft_example_file_is_refused_when_the_run_is_built(tmp_path):
+    """run.mode=sft read data.train_path's (prompt, response) examples only when its example stream was first drawn
+    from, after the engines had started and the step-0 eval had decoded every held-out prompt (minutes on a real
+    model), and `miles validate` (which builds) passed the file. A bad line is now refused by build."""
+    from miles_core.errors import DataError
+
+    examples = tmp_path / "sft.jsonl"
+    examples.write_text(json.dumps({"prompt": "abc", "response": "cba"}) + "\n" + json.dumps({"prompt": "abc"}) + "\n")
+    cfg = tiny_config(tmp_path, "run.mode=sft", "data.task=reverse", f"data.train_path={examples}")
+    with pytest.raises(DataError, match=r"sft.jsonl:2: missing key 'response' \(set data.response_key\)$"):
+        build(cfg, MilesPlugins(autoload=False), tmp_path)
+    examples.write_text(json.dumps({"prompt": "abc", "response": "cba"}) + "\n")
+    c = build(cfg, MilesPlugins(autoload=False), tmp_path)
+    assert [(s.prompt, s.response) for s in c.sft_examples] == [("abc", "cba")]

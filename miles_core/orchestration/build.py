@@ -19,6 +19,7 @@ from miles_core.config.schema import MilesConfig
 from miles_core.context import RunContext
 from miles_core.data.base import Task
 from miles_core.data.jsonl import JsonlTask
+from miles_core.data.sft import read_sft_examples
 from miles_core.data.synthetic import ReverseTask
 from miles_core.data.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer, HFTokenizer, load_tokenizer
 from miles_core.errors import ConfigError, DataError, MilesUserError, PluginError
@@ -34,7 +35,7 @@ from miles_core.platforms import select_platform
 from miles_core.plugins.manager import MilesPlugins
 from miles_core.rewards.custom import check_reward_fn, load_reward_path
 from miles_core.rewards.base import RewardFn
-from miles_core.types import AdvantageInputs, AdvantageOutputs, LossInputs, LossOutput
+from miles_core.types import AdvantageInputs, AdvantageOutputs, LossInputs, LossOutput, Sample
 
 
 @dataclass
@@ -53,6 +54,8 @@ class Components:
     transport: Any
     teacher: nn.Module | None = None  # on-policy distillation teacher (algorithm.teacher_checkpoint)
     estimator_needs_old_logprobs: bool = False  # the estimator reads them (``needs_old_logprobs``): never left None
+    # run.mode=sft's (prompt, response) examples from data.train_path, read (and every line checked) at build
+    sft_examples: list[Sample] | None = None
 
 
 def model_source(cfg: MilesConfig) -> str | None:
@@ -207,6 +210,10 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
     if not task.eval_prompts():
         raise ConfigError(f"task '{cfg.data.task}' has no held-out prompts (set data.eval_path)")
     check_resume_data(cfg, task)
+    # read here, not when the loop first draws an example (after the engines start and the step-0 eval): a bad line
+    # fails at start-up and in `miles validate`
+    sft_examples = (read_sft_examples(cfg.data.train_path, cfg.data.prompt_key, cfg.data.response_key, tokenizer)
+                    if cfg.run.mode == "sft" and cfg.data.train_path else None)
     if isinstance(tokenizer, CharTokenizer):
         check_char_alphabet(made, task, tokenizer)
     reward_fn, reward_name = resolve_reward(cfg, plugins, made)  # reward.name=task: the reward runner names the sample
@@ -236,6 +243,7 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
         transport=regs.weight_transports.get(cfg.sync.transport, key="sync.transport")(ctx),
         teacher=teacher,
         estimator_needs_old_logprobs=getattr(estimator, "needs_old_logprobs", False),
+        sft_examples=sft_examples,
     )
 
 

@@ -24,7 +24,6 @@ from typing import Any
 from pathlib import Path
 
 from miles_core.algorithms.masked import masked_mean
-from miles_core.data.sft import read_sft_examples
 from miles_core.errors import DataError
 from miles_core.orchestration.build import tokenizer_files
 from miles_core.orchestration.checkpoint import (LoopState, load_checkpoint, read_loop_state, save_checkpoint, save_due,
@@ -36,9 +35,9 @@ NO_REFERENCE_LIMIT = 1000  # training prompts in a row without a reference answe
 
 
 def _examples(c, rng: random.Random) -> Iterator[Sample]:
-    cfg, tok = c.ctx.config, c.ctx.tokenizer
-    if cfg.data.train_path:
-        pool = read_sft_examples(cfg.data.train_path, cfg.data.prompt_key, cfg.data.response_key, tok)
+    tok = c.ctx.tokenizer
+    if c.sft_examples is not None:  # data.train_path's, read by build
+        pool = c.sft_examples
         while True:
             order = list(range(len(pool)))
             rng.shuffle(order)
