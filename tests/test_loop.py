@@ -717,3 +717,23 @@ def test_a_bad_sft_example_file_is_refused_when_the_run_is_built(tmp_path):
     examples.write_text(json.dumps({"prompt": "abc", "response": "cba"}) + "\n")
     c = build(cfg, MilesPlugins(autoload=False), tmp_path)
     assert [(s.prompt, s.response) for s in c.sft_examples] == [("abc", "cba")]
+
+
+def test_run_mode_sft_follows_the_lr_schedule(tmp_path):
+    """run.mode=sft passed every step train.sft_lr (or train.lr) as a fixed LR, so train.lr_warmup_steps and
+    train.lr_decay were silently ignored: an SFT run configured with warm-up and cosine decay trained at the peak LR
+    from its first step to its last. Its steps now follow the schedule, with train.sft_lr (or train.lr) as the peak."""
+    import math
+
+    sched = ["run.mode=sft", "run.num_rollout=4", "run.eval_every=4", "train.sft_batch_size=2",
+             "train.lr_warmup_steps=2", "train.lr_decay=cosine", "train.min_lr=0.001"]
+    for peak, extra in ((0.01, ["train.lr=0.01"]), (0.02, ["train.lr=0.01", "train.sft_lr=0.02"])):
+        records = []
+        run_loop(build(tiny_config(tmp_path, *sched, *extra), MilesPlugins(autoload=False), tmp_path), records.append)
+        lrs = [r["lr"] for r in records if r["step"] > 0]
+        cosine = [0.001 + (peak - 0.001) * 0.5 * (1 + math.cos(math.pi * p / 2)) for p in (0, 1)]
+        assert lrs == pytest.approx([peak / 2, peak, *cosine], rel=1e-12)
+    from miles_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^train.min_lr \(0.001\) must not exceed train.sft_lr \(0.0005\)"):
+        build(tiny_config(tmp_path, *sched, "train.sft_lr=0.0005"), MilesPlugins(autoload=False), tmp_path)

@@ -214,6 +214,10 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
     # fails at start-up and in `miles validate`
     sft_examples = (read_sft_examples(cfg.data.train_path, cfg.data.prompt_key, cfg.data.response_key, tokenizer)
                     if cfg.run.mode == "sft" and cfg.data.train_path else None)
+    peak = cfg.train.sft_lr or cfg.train.lr
+    if cfg.run.mode == "sft" and cfg.train.lr_decay == "cosine" and cfg.train.min_lr > peak:
+        raise ConfigError(f"train.min_lr ({cfg.train.min_lr}) must not exceed train.sft_lr ({peak}): run.mode=sft's cosine "
+                          "decays from train.sft_lr to train.min_lr")
     if isinstance(tokenizer, CharTokenizer):
         check_char_alphabet(made, task, tokenizer)
     reward_fn, reward_name = resolve_reward(cfg, plugins, made)  # reward.name=task: the reward runner names the sample

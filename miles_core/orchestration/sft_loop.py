@@ -3,7 +3,8 @@
 Examples come from ``data.train_path`` (JSONL (prompt, response) pairs with optional loss masks,
 miles_core/data/sft.py) or, without a file, from the task's reference answers. Each of the
 ``run.num_rollout`` steps is one optimizer step on ``train.sft_batch_size`` examples (epochs are
-reshuffled with the run seed) at ``train.sft_lr`` (or ``train.lr``). Every ``run.eval_every``
+reshuffled with the run seed) at the scheduled LR (``train.lr_warmup_steps``, ``train.lr_decay``, ...
+over ``run.num_rollout`` steps) peaking at ``train.sft_lr`` (or ``train.lr``). Every ``run.eval_every``
 steps, and before the first and after the last, the weights go to the engine and the held-out
 prompts are decoded greedily (``eval_accuracy``); ``eval_nll`` is the mean per-token NLL of the
 held-out reference answers (absent where the held-out prompts have none).
@@ -15,6 +16,7 @@ in the example stream. A checkpoint of an RL run gives an SFT run only its weigh
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -29,6 +31,7 @@ from miles_core.orchestration.build import tokenizer_files
 from miles_core.orchestration.checkpoint import (LoopState, load_checkpoint, read_loop_state, save_checkpoint, save_due,
                                                  sft_data_fingerprint)
 from miles_core.train.batch import make_train_batch
+from miles_core.train.lr import lr_at
 from miles_core.types import Sample
 
 NO_REFERENCE_LIMIT = 1000  # training prompts in a row without a reference answer before run.mode=sft gives up
@@ -62,6 +65,7 @@ def eval_nll(c, trainer, eval_refs: list[Sample]) -> float:
 
 def run_sft(c, backend, trainer, eval_prompts, eval_refs, evaluate, on_metrics, resume: Path | None = None) -> dict[str, Any]:
     cfg, t = c.ctx.config, c.ctx.config.train
+    schedule = dataclasses.replace(t, lr=t.sft_lr or t.lr)  # the run's steps are SFT steps: they follow the schedule
     stream = _examples(c, random.Random(cfg.run.seed))
     version, start, consumed, first_eval = 0, 1, 0, None
     history = []
@@ -91,7 +95,8 @@ def run_sft(c, backend, trainer, eval_prompts, eval_refs, evaluate, on_metrics, 
         examples = list(itertools.islice(stream, t.sft_batch_size))
         consumed += len(examples)
         batch = make_train_batch(examples, c.ctx.tokenizer.pad_token_id)
-        record: dict[str, Any] = {"phase": "sft", "step": step, **trainer.train_step(batch, c.sft_loss, temperature=1.0, lr=t.sft_lr or t.lr)}
+        lr = lr_at(step - 1, schedule, cfg.run.num_rollout)
+        record: dict[str, Any] = {"phase": "sft", "step": step, **trainer.train_step(batch, c.sft_loss, temperature=1.0, lr=lr)}
         c.ctx.plugins.after_train_step(c.ctx, step, record)
         if step % cfg.run.eval_every == 0 or step == cfg.run.num_rollout:
             do_eval(step, record)
