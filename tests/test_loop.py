@@ -737,3 +737,19 @@ def test_run_mode_sft_follows_the_lr_schedule(tmp_path):
 
     with pytest.raises(ConfigError, match=r"^train.min_lr \(0.001\) must not exceed train.sft_lr \(0.0005\)"):
         build(tiny_config(tmp_path, *sched, "train.sft_lr=0.0005"), MilesPlugins(autoload=False), tmp_path)
+
+
+def test_sft_examples_outside_the_character_alphabet_are_refused(tmp_path):
+    """The built-in character tokenizer encodes a character outside its alphabet as <unk>. The start-up check named
+    such characters in the task's prompts and answers, but not in run.mode=sft's data.train_path examples: a response
+    in capitals was trained on as a row of <unk> tokens (no error; decoding drops them, so the model learns to say
+    nothing)."""
+    from miles_core.errors import DataError
+
+    examples = tmp_path / "sft.jsonl"
+    for row, what in (({"prompt": "abc", "response": "CbA"}, r"the response 'CbA' has characters .*: 'A', 'C'"),
+                      ({"prompt": "aBc", "response": "cba"}, r"the prompt 'aBc' has characters .*: 'B'")):
+        examples.write_text(json.dumps({"prompt": "ab", "response": "ba"}) + "\n" + json.dumps(row) + "\n")
+        cfg = tiny_config(tmp_path, "run.mode=sft", "data.task=reverse", f"data.train_path={examples}")
+        with pytest.raises(DataError, match=rf"^{examples}:2: {what}"):
+            build(cfg, MilesPlugins(autoload=False), tmp_path)

@@ -56,6 +56,7 @@ def read_sft_examples(path: str, prompt_key: str, response_key: str, tokenizer) 
         sample = sft_sample(row[prompt_key], _segments(row[response_key], where, response_key), tokenizer, len(samples))
         if not sample.prompt_ids:  # the first response token is predicted from the position before it: there is none
             raise DataError(f"{where}: '{prompt_key}' is empty (the response needs at least one prompt token before it)")
+        sample.metadata["source"] = where  # for start-up checks that name the line (the character alphabet)
         samples.append(sample)
     if not samples:
         raise DataError(f"data file '{path}' has no examples")

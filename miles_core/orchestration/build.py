@@ -144,11 +144,11 @@ def check_resume_data(cfg: MilesConfig, task: Task) -> None:
     check_data_fingerprint(ckpt, state.data_fingerprint, getattr(task, "data_fingerprint", None), cfg.data.allow_changed_on_resume)
 
 
-def check_char_alphabet(made: Task, task: Task, tokenizer: CharTokenizer) -> None:
+def check_char_alphabet(made: Task, task: Task, tokenizer: CharTokenizer, sft_examples: list[Sample] | None = None) -> None:
     """The tiny models' character tokenizer encodes a character outside its alphabet as <unk> and decodes none back: a
     prompt with one is trained on as <unk>, and a reference answer with one no response can spell (reward 0 throughout,
     no error). Checked at start-up: the reverse task's alphabet, the JSONL task's training prompts, and every task's
-    held-out prompts with their answers (labels that are text)."""
+    held-out prompts with their answers (labels that are text), and run.mode=sft's (prompt, response) examples."""
     checks: list[tuple[str, str, str]] = []  # (where, what, text)
     if isinstance(made, ReverseTask):
         checks.append((f"data.task_options.alphabet {made.alphabet!r}", "", made.alphabet))
@@ -158,6 +158,9 @@ def check_char_alphabet(made: Task, task: Task, tokenizer: CharTokenizer) -> Non
         checks.append((where, f": the prompt {p.text!r}", p.text))
         if isinstance(p.label, str):  # the answer; not task.reference(p), which may draw (a flawed teacher's demo_noise)
             checks.append((where, f": the answer {p.label!r}", p.label))
+    for s in sft_examples or []:
+        checks.append((s.metadata["source"], f": the prompt {s.prompt!r}", s.prompt))
+        checks.append((s.metadata["source"], f": the response {s.response!r}", s.response))
     known = set(tokenizer.alphabet)
     for where, what, text in checks:
         unknown = sorted(set(text) - known)
@@ -219,7 +222,7 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
         raise ConfigError(f"train.min_lr ({cfg.train.min_lr}) must not exceed train.sft_lr ({peak}): run.mode=sft's cosine "
                           "decays from train.sft_lr to train.min_lr")
     if isinstance(tokenizer, CharTokenizer):
-        check_char_alphabet(made, task, tokenizer)
+        check_char_alphabet(made, task, tokenizer, sft_examples)
     reward_fn, reward_name = resolve_reward(cfg, plugins, made)  # reward.name=task: the reward runner names the sample
     model, family = (gguf_model, gguf_family) if gguf is not None else build_model(cfg, plugins, tokenizer)
     if model.config.vocab_size < tokenizer.vocab_size:
