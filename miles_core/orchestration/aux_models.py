@@ -10,6 +10,7 @@ The KL reference is not here: the trainer owns it (``compute_ref_logprobs``, sna
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,11 +38,18 @@ def policy_snapshot(c, trainer) -> torch.nn.Module:
     return model
 
 
+def _scoring_only(ctx):
+    """The run's context for a trainer that only scores (the teacher): ``kl_coef`` 0, so that it keeps no KL reference
+    of its own (with the run's kl_coef > 0 a trainer deep-copies its model as one: a second teacher nobody reads)."""
+    cfg = ctx.config
+    return dataclasses.replace(ctx, config=dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, kl_coef=0.0)))
+
+
 def build_aux_models(c, trainer) -> AuxModels:
     algo = c.ctx.config.algorithm
     aux = AuxModels()
     if c.teacher is not None:
-        aux.teacher = c.trainer_factory(c.ctx, _frozen(c.teacher))
+        aux.teacher = c.trainer_factory(_scoring_only(c.ctx), _frozen(c.teacher))
     if algo.advantage_estimator == "ppo":
         aux.critic = Critic(policy_snapshot(c, trainer), c.ctx.config, c.ctx.device)
     return aux
