@@ -234,7 +234,7 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
     sft = regs.policy_losses.get("sft", key="train.sft_warmup_steps") if needs_sft else None
     check_algorithm(cfg, estimator)
     check_placement(cfg)  # here too, so miles validate refuses what miles run would refuse at its start
-    teacher = load_teacher(cfg, families=regs.model_families, vocab_size=model.config.vocab_size)
+    teacher = load_teacher(cfg, families=regs.model_families, vocab_size=model.config.vocab_size, tokenizer=tokenizer)
     return Components(
         ctx=ctx,
         task=task,
@@ -368,11 +368,12 @@ def check_algorithm(cfg: MilesConfig, estimator=None) -> None:
         )
 
 
-def load_teacher(cfg: MilesConfig, families, vocab_size: int) -> nn.Module | None:
+def load_teacher(cfg: MilesConfig, families, vocab_size: int, tokenizer=None) -> nn.Module | None:
     if not cfg.algorithm.needs_teacher:
         return None
+    path = Path(cfg.algorithm.teacher_checkpoint)
     try:
-        teacher, _ = load_hf_folder(Path(cfg.algorithm.teacher_checkpoint), families)
+        teacher, _ = load_hf_folder(path, families)
     except ConfigError as exc:
         raise ConfigError(f"algorithm.teacher_checkpoint: {exc}") from None
     if teacher.config.vocab_size != vocab_size:
@@ -380,7 +381,42 @@ def load_teacher(cfg: MilesConfig, families, vocab_size: int) -> nn.Module | Non
             f"algorithm.teacher_checkpoint: the teacher's vocab ({teacher.config.vocab_size}) differs from the policy's "
             f"({vocab_size}); distillation needs the same tokenizer"
         )
+    if tokenizer is not None:
+        check_teacher_tokenizer(path, tokenizer)
     return teacher
+
+
+_TOKENIZER_FILES = (CHAR_TOKENIZER_FILE, "tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def _id_to_token(tokenizer) -> dict[int, str]:
+    if isinstance(tokenizer, CharTokenizer):
+        return {**dict(enumerate(CharTokenizer.SPECIALS)), **{i: ch for ch, i in tokenizer._to_id.items()}}
+    return {i: t for t, i in tokenizer.tok.get_vocab().items()}
+
+
+def check_teacher_tokenizer(path: Path, tokenizer) -> None:
+    """The teacher's tokenizer (when its folder has one) must spell every id that both tokenizers have as the policy's
+    does: distillation compares the logprobs of the same ids, and a vocabulary of the same size may still number its
+    tokens otherwise (another alphabet's order, another BPE)."""
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        return  # nothing to compare with: the sizes were checked
+    try:
+        theirs = load_tokenizer(path)
+    except ConfigError as exc:
+        raise ConfigError(f"algorithm.teacher_checkpoint: {exc}") from None
+    if not isinstance(tokenizer, (CharTokenizer, HFTokenizer)):
+        return  # a plugin's tokenizer: no vocabulary to read
+    if type(theirs) is not type(tokenizer):
+        raise ConfigError(f"algorithm.teacher_checkpoint: the tokenizer of '{path}' ({type(theirs).__name__}) is not "
+                          f"the policy's ({type(tokenizer).__name__}); distillation needs the same tokenizer")
+    mine, other = _id_to_token(tokenizer), _id_to_token(theirs)
+    differ = sorted(i for i in mine.keys() & other.keys() if mine[i] != other[i])
+    if differ:
+        i = differ[0]
+        raise ConfigError(f"algorithm.teacher_checkpoint: the tokenizer of '{path}' spells {len(differ)} token ids otherwise "
+                          f"than the policy's (id {i}: {other[i]!r} there, {mine[i]!r} in the policy's); distillation "
+                          "compares the logprobs of the same ids and needs the same tokenizer")
 
 
 def tokenizer_files(tokenizer) -> dict[str, str | bytes]:

@@ -52,3 +52,53 @@ def test_teacher_keeps_no_reference_copy_of_its_own(tmp_path):
     # and they are the teacher's logprobs: a trainer built on the teacher's folder by itself gives the same numbers
     alone = build(tiny_config(tmp_path, f"model.hf_checkpoint={teacher}"), MilesPlugins(autoload=False), None)
     assert torch.equal(lp_teacher, alone.trainer_factory(alone.ctx, alone.model).compute_logprobs(batch))
+
+
+def test_teacher_with_another_tokenizer_of_the_same_size_is_refused(tmp_path):
+    """Distillation compares the teacher's and the student's logprobs of the same token ids, which mean the same
+    text only under one tokenizer. The start-up check compared the vocabulary sizes alone: a teacher whose tokenizer
+    spells its ids otherwise (here a character tokenizer with the letters in another order) was accepted, and every
+    advantage compared the logprob of one character with that of another."""
+    import pytest
+
+    from miles_core.errors import ConfigError
+
+    alphabet = CharTokenizer().alphabet
+    shuffled = alphabet[::-1]
+    assert len(shuffled) == len(alphabet) and shuffled != alphabet
+    other = save_teacher(tmp_path, CharTokenizer(shuffled).to_json())
+    cfg = tiny_config(tmp_path, "algorithm.advantage_estimator=distill", f"algorithm.teacher_checkpoint={other}")
+    with pytest.raises(ConfigError, match=rf"algorithm\.teacher_checkpoint: the tokenizer of '{other}' .* the policy's"):
+        build(cfg, MilesPlugins(autoload=False), None)
+    same = save_teacher(tmp_path, seed=2)  # the same tokenizer: accepted
+    build(tiny_config(tmp_path, "algorithm.advantage_estimator=distill", f"algorithm.teacher_checkpoint={same}"),
+          MilesPlugins(autoload=False), None)
+
+
+def _word_level(path: Path, words: list[str]) -> Path:
+    """An HF tokenizer folder numbering ``words`` in their order (``<eos>`` first)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<eos>", *words])}, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)
+    return path
+
+
+def test_hf_teacher_tokenizer_must_number_the_ids_as_the_policys(tmp_path):
+    import pytest
+
+    from miles_core.data.tokenizer import load_tokenizer
+    from miles_core.errors import ConfigError
+    from miles_core.orchestration.build import check_teacher_tokenizer
+
+    policy = load_tokenizer(_word_level(tmp_path / "policy", ["one", "two", "three"]))
+    check_teacher_tokenizer(_word_level(tmp_path / "same", ["one", "two", "three"]), policy)
+    check_teacher_tokenizer(_word_level(tmp_path / "more", ["one", "two", "three", "four"]), policy)  # ids added past the policy's
+    check_teacher_tokenizer(tmp_path / "no_tokenizer_files", policy)  # nothing to compare with
+    swapped = _word_level(tmp_path / "swapped", ["one", "three", "two"])
+    with pytest.raises(ConfigError, match=r"spells 2 token ids otherwise than the policy's \(id 2: 'three' there, 'two' in the policy's\)"):
+        check_teacher_tokenizer(swapped, policy)
+    with pytest.raises(ConfigError, match=r"\(CharTokenizer\) is not the policy's \(HFTokenizer\)"):
+        check_teacher_tokenizer(save_teacher(tmp_path), policy)
