@@ -369,7 +369,7 @@ def check_algorithm(cfg: MilesConfig, estimator=None) -> None:
 
 
 def load_teacher(cfg: MilesConfig, families, vocab_size: int, tokenizer=None) -> nn.Module | None:
-    if not cfg.algorithm.needs_teacher:
+    if not cfg.algorithm.needs_teacher or cfg.run.mode != "rl":  # sft and rollout score no teacher
         return None
     path = Path(cfg.algorithm.teacher_checkpoint)
     try:

@@ -102,3 +102,15 @@ def test_hf_teacher_tokenizer_must_number_the_ids_as_the_policys(tmp_path):
         check_teacher_tokenizer(swapped, policy)
     with pytest.raises(ConfigError, match=r"\(CharTokenizer\) is not the policy's \(HFTokenizer\)"):
         check_teacher_tokenizer(save_teacher(tmp_path), policy)
+
+
+def test_no_teacher_is_loaded_where_nothing_is_distilled(tmp_path):
+    """run.mode=sft trains on demonstrations and run.mode=rollout trains nothing: neither scores a teacher (the loop
+    builds the aux models for RL only), but build loaded the whole teacher for them whenever the config named one
+    (a recipe shared by the SFT and RL stages): its weights held in memory for the whole run, unused."""
+    teacher = save_teacher(tmp_path)
+    distill = ["algorithm.advantage_estimator=distill", f"algorithm.teacher_checkpoint={teacher}"]
+    for mode in ("sft", "rollout"):
+        c = build(tiny_config(tmp_path, f"run.mode={mode}", *distill), MilesPlugins(autoload=False), None)
+        assert c.teacher is None, mode
+    assert build(tiny_config(tmp_path, *distill), MilesPlugins(autoload=False), None).teacher is not None
