@@ -26,7 +26,7 @@ from miles_core.errors import ConfigError, DataError, MilesUserError, PluginErro
 from miles_core.kernels.base import Kernels
 from miles_core.models.base import ModelFamily
 from miles_core.models.checkpoint import load_hf_folder
-from miles_core.models.gguf import gguf_file, load_gguf
+from miles_core.models.gguf import SMOLLM2_NAMES, gguf_file, load_gguf
 from miles_core.models.decoder import DecoderConfig
 from miles_core.orchestration.checkpoint import (check_data_fingerprint, check_mode, find_checkpoint, read_loop_state,
                                                  sft_data_fingerprint)
@@ -371,7 +371,11 @@ def check_algorithm(cfg: MilesConfig, estimator=None) -> None:
 def load_teacher(cfg: MilesConfig, families, vocab_size: int, tokenizer=None) -> nn.Module | None:
     if not cfg.algorithm.needs_teacher or cfg.run.mode != "rl":  # sft and rollout score no teacher
         return None
-    path = Path(cfg.algorithm.teacher_checkpoint)
+    source = cfg.algorithm.teacher_checkpoint
+    if source.lower() in SMOLLM2_NAMES or source.lower().endswith(".gguf"):  # model.hf_checkpoint takes one; a teacher not
+        raise ConfigError(f"algorithm.teacher_checkpoint: '{source}' is a GGUF checkpoint; the teacher is read from an "
+                          "HF safetensors folder (config.json and *.safetensors): give one")
+    path = Path(source)
     try:
         teacher, _ = load_hf_folder(path, families)
     except ConfigError as exc:

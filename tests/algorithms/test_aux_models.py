@@ -114,3 +114,22 @@ def test_no_teacher_is_loaded_where_nothing_is_distilled(tmp_path):
         c = build(tiny_config(tmp_path, f"run.mode={mode}", *distill), MilesPlugins(autoload=False), None)
         assert c.teacher is None, mode
     assert build(tiny_config(tmp_path, *distill), MilesPlugins(autoload=False), None).teacher is not None
+
+
+def test_gguf_teacher_is_refused_with_what_to_give_instead(tmp_path):
+    """The teacher is read from an HF safetensors folder only. A .gguf teacher_checkpoint (or ``smollm2``, which
+    model.hf_checkpoint accepts) was refused with the policy's message, "is a file; give the HF folder that holds it
+    (or a .gguf file)": it told the user to give what they had given."""
+    import pytest
+
+    from miles_core.errors import ConfigError
+
+    gguf = tmp_path / "teacher.gguf"
+    gguf.write_bytes(b"GGUF")
+    for value in (str(gguf), "smollm2"):
+        cfg = tiny_config(tmp_path, "algorithm.advantage_estimator=distill", f"algorithm.teacher_checkpoint={value}")
+        with pytest.raises(ConfigError) as err:
+            build(cfg, MilesPlugins(autoload=False), None)
+        msg = str(err.value)
+        assert msg.startswith(f"algorithm.teacher_checkpoint: '{value}' is a GGUF checkpoint"), msg
+        assert "HF safetensors folder" in msg and "or a .gguf" not in msg, msg
