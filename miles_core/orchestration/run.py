@@ -16,7 +16,8 @@ from miles_core.models.checkpoint import atomic_file, save_hf_folder
 from miles_core.observe.metrics import MetricsLog, strict_json
 from miles_core.observe.plot import plot_curves
 from miles_core.observe.view import LiveView, plugins_table, summary_table
-from miles_core.orchestration.build import build, check_run_folders, tokenizer_files
+from miles_core.orchestration.build import build, tokenizer_files
+from miles_core.orchestration.checks import check_run_folders
 from miles_core.orchestration.loop import run_loop
 from miles_core.plugins.manager import MilesPlugins
 

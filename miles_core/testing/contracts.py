@@ -15,7 +15,7 @@ import torch
 from miles_core.algorithms.config import AlgorithmConfig
 from miles_core.config.loader import load_config
 from miles_core.config.schema import MilesConfig
-from miles_core.orchestration.build import checked_estimator, checked_loss
+from miles_core.orchestration.plugin_calls import checked_estimator, checked_loss
 from miles_core.rewards.custom import check_reward_fn
 from miles_core.rewards.runner import is_reward_value
 from miles_core.types import AdvantageInputs, AdvantageOutputs, LossInputs, LossOutput, Sample

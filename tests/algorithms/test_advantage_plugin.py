@@ -47,7 +47,7 @@ def test_estimator_by_hand(installed, tmp_path):
         check_advantage_estimator(median_baseline)
         # its baseline is the group's median: a group of one gets 0, so a run with one sample per prompt is refused
         from miles_core.errors import ConfigError
-        from miles_core.orchestration.build import check_algorithm
+        from miles_core.orchestration.checks import check_algorithm
         from miles_core.testing.contracts import tiny_config
 
         cfg = tiny_config(tmp_path, "rollout.n_samples_per_prompt=1", "algorithm.advantage_estimator=median_baseline")

@@ -91,7 +91,7 @@ def test_hf_teacher_tokenizer_must_number_the_ids_as_the_policys(tmp_path):
 
     from miles_core.data.tokenizer import load_tokenizer
     from miles_core.errors import ConfigError
-    from miles_core.orchestration.build import check_teacher_tokenizer
+    from miles_core.orchestration.teacher import check_teacher_tokenizer
 
     policy = load_tokenizer(_word_level(tmp_path / "policy", ["one", "two", "three"]))
     check_teacher_tokenizer(_word_level(tmp_path / "same", ["one", "two", "three"]), policy)

@@ -185,7 +185,7 @@ def test_config_errors_name_the_key(override, key):
 
 
 def test_overlong_buffer_must_fit_the_response(tmp_path):
-    from miles_core.orchestration.build import check_algorithm
+    from miles_core.orchestration.checks import check_algorithm
 
     with pytest.raises(ConfigError, match=r"algorithm\.overlong_buffer \(8\) must be below rollout\.max_response_len \(8\)"):
         check_algorithm(load_config(None, ["algorithm.overlong_buffer=8", "rollout.max_response_len=8"]))
@@ -194,7 +194,7 @@ def test_overlong_buffer_must_fit_the_response(tmp_path):
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
 def test_group_baselines_refuse_one_sample_per_prompt(tmp_path, estimator):
     """A group of one has no baseline: every advantage would be 0 and the run would learn nothing, silently."""
-    from miles_core.orchestration.build import check_algorithm
+    from miles_core.orchestration.checks import check_algorithm
     from miles_core.plugins.manager import MilesPlugins
 
     fn = MilesPlugins(autoload=False).registries.advantage_estimators.get(estimator)
