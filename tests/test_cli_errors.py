@@ -256,3 +256,30 @@ def test_ctrl_c_ends_miles_run_with_the_interrupt_exit_code(tmp_path):
             proc.kill()
     assert proc.returncode == 130, err.decode()[-2000:]
     assert "interrupted (SIGINT)" in err.decode() and "Traceback" not in err.decode()
+
+
+def test_a_reward_file_imports_the_modules_beside_it(tmp_path, monkeypatch):
+    """reward.name=rewards/mine.py:score with `from mine_helpers import ...` at its top (a helper module in the same
+    folder, as `python rewards/mine.py` would find it) failed at start-up with "No module named 'mine_helpers'": the
+    file was loaded without its folder on sys.path."""
+    import sys
+
+    from miles_core.rewards.custom import load_reward_path
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    folder = tmp_path / "my rewards"
+    folder.mkdir()
+    (folder / "mine_helpers_h20.py").write_text("def norm(text):\n    return text.strip().lower()\n")
+    (folder / "mine.py").write_text(
+        "from mine_helpers_h20 import norm\n\n"
+        "def score(sample):\n"
+        "    return float(norm(sample.response) == norm(sample.label))\n"
+    )
+
+    class Sample:
+        response, label = " AB ", "ab"
+
+    try:
+        assert load_reward_path(f"{folder / 'mine.py'}:score")(Sample()) == 1.0
+    finally:
+        sys.modules.pop("mine_helpers_h20", None)

@@ -50,9 +50,13 @@ def load_reward_path(spec: str) -> RewardFn:
 
 def _load_file(path: Path, spec: str):
     """The module that a reward file defines, imported under a name of its own (``miles_reward_<stem>``), registered in
-    ``sys.modules`` so that its functions pickle by reference (Ray workers, multiprocessing)."""
+    ``sys.modules`` so that its functions pickle by reference (Ray workers, multiprocessing). The file's folder goes
+    first on ``sys.path``, as for a script, so that helper modules beside it import."""
     if not path.is_file():
         raise ConfigError(f"reward.name '{spec}': file '{path}' " + ("is not a file" if path.exists() else "does not exist"))
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:  # like `python path/to/file.py`: the modules beside the file import by their names
+        sys.path.insert(0, folder)
     name = f"miles_reward_{path.stem}"
     loader_spec = importlib.util.spec_from_file_location(name, path.resolve())
     module = importlib.util.module_from_spec(loader_spec)
