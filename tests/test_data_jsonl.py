@@ -116,3 +116,22 @@ def test_contains_answer_scores_the_label_and_refuses_an_empty_one():
     with pytest.raises(RewardError, match=r"^reward 'contains_answer' raised ValueError: the label is empty .*"
                                           r"\(sample 3, prompt 'what is 6\*7\?'\)"):
         score_samples(contains_answer, "contains_answer", [sample("42", 42), sample("anything", "  ", 3)], 30.0)
+
+
+def test_exact_match_and_contains_answer_refuse_a_label_that_is_not_a_text_or_number():
+    """reasoning_gym's label is the dataset entry (a dict) and a JSONL label may be a list of answers: exact_match and
+    contains_answer compared the response with str(label) ("{'question': ...}", "['42', 'forty-two']"), so every
+    response scored 0.0 and the run trained on all-zero rewards without a word. It is now an error naming the sample."""
+    from miles_core.rewards.plugin import contains_answer, exact_match
+    from miles_core.rewards.runner import RewardError, score_samples
+    from miles_core.types import Sample
+
+    entry = {"question": "6*7?", "answer": "42", "metadata": {}}
+    for fn in (exact_match, contains_answer):
+        ok = [Sample("6*7?", [1], [2], "42", [], label=label, index=i) for i, label in enumerate(("42", 42, 42.5))]
+        assert score_samples(fn, fn.__name__, ok, 30.0) == [1.0, 1.0, 0.0]
+        for label, kind in ((entry, "dict"), (["42", "forty-two"], "list")):
+            bad = [Sample("6*7?", [1], [2], "42", [], label="42"), Sample("6*7?", [1], [2], "42", [], label=label, index=1)]
+            with pytest.raises(RewardError, match=rf"^reward '{fn.__name__}' raised ValueError: the label is a {kind}, "
+                                                  rf"not a text or number .*\(sample 1, prompt '6\*7\?'\)$"):
+                score_samples(fn, fn.__name__, bad, 30.0)
