@@ -753,3 +753,37 @@ def test_sft_examples_outside_the_character_alphabet_are_refused(tmp_path):
         cfg = tiny_config(tmp_path, "run.mode=sft", "data.task=reverse", f"data.train_path={examples}")
         with pytest.raises(DataError, match=rf"^{examples}:2: {what}"):
             build(cfg, MilesPlugins(autoload=False), tmp_path)
+
+
+def test_an_async_reward_whose_own_code_is_cancelled_is_an_error_naming_the_sample():
+    """asyncio.CancelledError is a BaseException: one raised by the reward's own code (a client cancelling its request,
+    awaiting a task it cancelled) escaped the runner as a bare CancelledError, naming neither the reward nor the
+    sample. A sample cancelled because another one failed is still reported as that one's error."""
+    import asyncio
+
+    import pytest
+
+    from miles_core.rewards.runner import RewardError, score_samples
+    from miles_core.types import Sample
+
+    async def cancelled_request(sample):
+        if sample.index == 1:
+            request = asyncio.ensure_future(asyncio.sleep(10))
+            await asyncio.sleep(0)
+            request.cancel()
+            await request  # raises CancelledError in the reward's own task
+        await asyncio.sleep(0.01)
+        return 1.0
+
+    samples = [Sample("p", [1], [2], "x", [0.0], index=i) for i in range(3)]
+    with pytest.raises(RewardError, match=r"^reward 'rm' raised CancelledError \(sample 1, prompt 'p'\)$"):
+        score_samples(cancelled_request, "rm", samples, 5.0)
+
+    async def one_fails(sample):
+        if sample.index == 2:
+            raise ValueError("bad answer")
+        await asyncio.sleep(5)  # cancelled when sample 2 fails
+        return 1.0
+
+    with pytest.raises(RewardError, match=r"^reward 'rm' raised ValueError: bad answer \(sample 2, prompt 'p'\)$"):
+        score_samples(one_fails, "rm", samples, 30.0)

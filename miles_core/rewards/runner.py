@@ -48,7 +48,8 @@ def _check(value: object, name: str, sample: Sample) -> float:
 
 
 def _raised(name: str, exc: Exception, sample: Sample) -> RewardError:
-    return RewardError(f"reward '{name}' raised {type(exc).__name__}: {exc} (sample {sample.index}, prompt {sample.prompt!r})")
+    what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__  # `assert ok`, a cancellation: no message
+    return RewardError(f"reward '{name}' raised {what} (sample {sample.index}, prompt {sample.prompt!r})")
 
 
 def _call(fn: RewardFn, name: str, sample: Sample) -> object:
@@ -72,6 +73,10 @@ async def _settle(value: object, name: str, sample: Sample, timeout: float) -> o
             return await value
     except MilesUserError:
         raise
+    except asyncio.CancelledError as exc:  # a BaseException: not the timeout's (that one ends as TimeoutError)
+        if asyncio.current_task().cancelling():  # gather cancelling this sample, another one having failed
+            raise
+        raise _raised(name, exc, sample) from None  # the reward's own code cancelled (a request, a task it awaited)
     except Exception as exc:
         if scope.expired():  # reward.timeout_s ran out; a TimeoutError of the reward's own code is its error
             raise RewardError(f"reward '{name}' timed out after {timeout}s on sample {sample.index}") from None
