@@ -283,3 +283,20 @@ def test_a_reward_file_imports_the_modules_beside_it(tmp_path, monkeypatch):
         assert load_reward_path(f"{folder / 'mine.py'}:score")(Sample()) == 1.0
     finally:
         sys.modules.pop("mine_helpers_h20", None)
+
+
+def test_a_reward_file_without_its_function_is_named_as_such(tmp_path, monkeypatch):
+    """reward.name=rewards/mine.py (the ':function' forgotten) was read as slime's dotted module.function, module
+    'rewards/mine' and function 'py': "module 'rewards/mine' not found" for a file that exists (and for mine.py in
+    the working folder, "module 'mine' has no function 'py'")."""
+    from miles_core.errors import ConfigError
+    from miles_core.rewards.custom import load_reward_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rewards").mkdir()
+    (tmp_path / "rewards" / "mine_h20.py").write_text("def score(sample):\n    return 1.0\n")
+    (tmp_path / "mine_h20b.py").write_text("def score(sample):\n    return 1.0\n")
+    for spec in ("rewards/mine_h20.py", "mine_h20b.py"):
+        with pytest.raises(ConfigError, match=rf"^reward.name '{spec}' names a file but no function: "
+                                              rf"write '{spec}:function'$"):
+            load_reward_path(spec)

@@ -30,6 +30,8 @@ def check_reward_fn(fn: object, where: str) -> RewardFn:
 def load_reward_path(spec: str) -> RewardFn:
     """``module:function``, ``path/to/file.py:function``, or slime's dotted ``module.function`` (the value of its
     ``--custom-rm-path``)."""
+    if ":" not in spec and spec.endswith(".py"):  # not slime's module.function: module 'path/file', function 'py'
+        raise ConfigError(f"reward.name '{spec}' names a file but no function: write '{spec}:function'")
     module_name, _, attr = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
     if not module_name or not attr:
         raise ConfigError(f"reward.name '{spec}' is not 'module:function' or 'file.py:function'")
