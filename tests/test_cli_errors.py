@@ -300,3 +300,18 @@ def test_a_reward_file_without_its_function_is_named_as_such(tmp_path, monkeypat
         with pytest.raises(ConfigError, match=rf"^reward.name '{spec}' names a file but no function: "
                                               rf"write '{spec}:function'$"):
             load_reward_path(spec)
+
+
+def test_a_reward_file_with_dots_in_its_name_pickles_its_functions(tmp_path):
+    """reward_v1.2.py was imported as module 'miles_reward_reward_v1.2', a dotted name whose parent package does not
+    exist: pickling one of its functions (a ProcessPoolExecutor running a verifier with a time limit) failed with
+    "import of module 'miles_reward_reward_v1.2' failed"."""
+    import pickle
+
+    from miles_core.rewards.custom import load_reward_path
+
+    path = tmp_path / "reward_v1.2.py"
+    path.write_text("def score(sample):\n    return 0.5\n")
+    fn = load_reward_path(f"{path}:score")
+    assert "." not in fn.__module__
+    assert pickle.loads(pickle.dumps(fn)) is fn

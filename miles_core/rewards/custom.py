@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import re
 import sys
 from pathlib import Path
 
@@ -59,7 +60,7 @@ def _load_file(path: Path, spec: str):
     folder = str(path.resolve().parent)
     if folder not in sys.path:  # like `python path/to/file.py`: the modules beside the file import by their names
         sys.path.insert(0, folder)
-    name = f"miles_reward_{path.stem}"
+    name = "miles_reward_" + re.sub(r"\W", "_", path.stem)  # reward_v1.2.py: a dotted name would need a parent package
     loader_spec = importlib.util.spec_from_file_location(name, path.resolve())
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[name] = module
