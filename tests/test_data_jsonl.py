@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -53,6 +54,18 @@ def test_score_is_an_exact_match_up_to_surrounding_whitespace(tmp_path):
     assert task.score("None", None) == 0.0  # no label: nothing matches
     assert task.eval_prompts() == []
     assert next(task.train_prompts(random.Random(0))).text == "x"
+
+
+def test_a_list_label_is_a_list_of_accepted_answers(tmp_path):
+    """A label ["4", "four"] was compared as its Python text "['4', 'four']": no response ever matched, and the run
+    trained on reward 0 throughout (reward.name=task) with eval accuracy 0, without a word. Each entry is an accepted
+    answer and the first is the reference answer. Other structures (a custom reward's test cases) match nothing."""
+    task = JsonlTask(_write(tmp_path, [json.dumps({"q": "2+2?", "a": ["4", "four", 4.5]})]), None, "q", "a")
+    (p,) = task.train
+    assert task.score(" four ", p.label) == 1.0 and task.score("4", p.label) == 1.0 and task.score("4.5", p.label) == 1.0
+    assert task.score("5", p.label) == 0.0 and task.reference(p) == "4"
+    assert task.score("4", [["4"]]) == 0.0 and task.score("4", {"answer": "4"}) == 0.0 and task.score("", []) == 0.0
+    assert task.reference(dataclasses.replace(p, label=[])) is None
 
 
 def test_an_empty_prompt_is_named_at_start_up(tmp_path):

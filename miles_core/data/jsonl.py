@@ -99,7 +99,8 @@ def read_prompts(path: str, prompt_key: str, label_key: str, fingerprint: Finger
 
 
 class JsonlTask:
-    """Prompts from ``data.train_path`` / ``data.eval_path``; the verifier is an exact match with the label.
+    """Prompts from ``data.train_path`` / ``data.eval_path``; the verifier is an exact match with the label (a list
+    label: with any of its entries).
 
     ``data_fingerprint`` identifies the training file (path, size, sha256): the prompt order a resumed run replays
     depends on it. The eval file does not enter it (it changes no training prompt)."""
@@ -123,10 +124,22 @@ class JsonlTask:
                 yield self.train[i]
 
     def score(self, response: str, label: object) -> float:
-        return 1.0 if label is not None and response.strip() == str(label).strip() else 0.0
+        return 1.0 if response.strip() in _answers(label) else 0.0
 
     def reference(self, prompt: Prompt) -> str | None:
-        return None if prompt.label is None else str(prompt.label)
+        answers = _answers(prompt.label)
+        return answers[0] if answers else None
+
+
+def _answers(label: object) -> list[str]:
+    """The answers a label accepts: a text or a number is one; a list of them, each (the first is the reference
+    answer). Anything else (no label, a custom reward's structure) gives none, so no response matches it."""
+    one = lambda v: isinstance(v, (str, int, float))  # noqa: E731 - a bool too: str(True) is "True", as before
+    if one(label):
+        return [str(label).strip()]
+    if isinstance(label, list) and label and all(one(v) for v in label):
+        return [str(v).strip() for v in label]
+    return []
 
 
 def jsonl_factory(cfg) -> JsonlTask:
