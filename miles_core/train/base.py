@@ -22,6 +22,12 @@ def no_response_tokens(hidden: torch.Tensor, head_weight: torch.Tensor) -> tuple
     return empty, empty
 
 
+def keeps_reference(cfg) -> bool:
+    """Whether a trainer keeps a frozen KL reference: a KL term uses one (algorithm.kl_coef > 0), in a run that trains
+    with RL. run.mode=sft computes no KL: its copy of the policy would only take memory (and checkpoint space)."""
+    return cfg.algorithm.needs_reference and cfg.run.mode != "sft"
+
+
 def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: float) -> float:
     """``optimizer.step()`` unless the gradient norm is NaN or infinite (an overflow, a loss that blew up on one batch):
     such a step would write NaN into the weights and Adam's moments for good, so it is skipped and the weights stay

@@ -27,7 +27,7 @@ from miles_core.errors import ConfigError
 from miles_core.kernels.base import Kernels
 from miles_core.precision.base import PrecisionRecipe
 from miles_core.train import checkpoint as ckpt
-from miles_core.train.base import LossFn, no_response_tokens, step_if_finite, use_configured_hyperparameters
+from miles_core.train.base import LossFn, keeps_reference, no_response_tokens, step_if_finite, use_configured_hyperparameters
 from miles_core.train.distributed import all_reduce_sum, init_from_env
 from miles_core.train.fsdp import checkpoint_blocks, full_tensor, shard
 from miles_core.train.lr import lr_at
@@ -77,7 +77,7 @@ class TorchTrainer:
         self.model = precision.prepare_model(model).to(self.device).train()  # the decoder (HF names)
         if hasattr(self.model, "use_kernels") and not t.compile:  # the registry's rmsnorm/rope/swiglu, as in the engine
             self.model.use_kernels(kernels)
-        ref = copy.deepcopy(self.model).eval().requires_grad_(False) if cfg.algorithm.kl_coef > 0 else None
+        ref = copy.deepcopy(self.model).eval().requires_grad_(False) if keeps_reference(cfg) else None
         if t.compile:  # each block in place (parameter names unchanged); one graph serves every block
             for block in getattr(getattr(self.model, "model", None), "layers", []):
                 block.compile(dynamic=True)

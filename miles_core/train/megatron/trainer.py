@@ -30,7 +30,7 @@ from miles_core.config.schema import MilesConfig
 from miles_core.errors import ConfigError
 from miles_core.kernels.base import Kernels
 from miles_core.precision.base import PrecisionRecipe
-from miles_core.train.base import LossFn, no_response_tokens, step_if_finite, use_configured_hyperparameters
+from miles_core.train.base import LossFn, keeps_reference, no_response_tokens, step_if_finite, use_configured_hyperparameters
 from miles_core.train.lr import lr_at
 from miles_core.train.megatron import convert
 from miles_core.train.megatron.arch import Arch
@@ -238,7 +238,7 @@ class MegatronTrainer:
     @torch.no_grad()
     def reset_reference(self) -> None:
         """Snapshot the current weights as the frozen KL reference (only when a KL term needs one)."""
-        self._ref = [p.detach().clone() for p in self.model.parameters()] if self.cfg.algorithm.needs_reference else None
+        self._ref = [p.detach().clone() for p in self.model.parameters()] if keeps_reference(self.cfg) else None
 
     @torch.no_grad()
     def compute_ref_logprobs(self, batch: TrainBatch, temperature: float | None = None) -> torch.Tensor:
