@@ -8,6 +8,16 @@ from miles_core.models.decoder import Decoder, DecoderConfig
 from miles_core.plugins.manager import MilesPlugins
 
 
+def _saved_llama(ckpt, seed: int | None = None):
+    """A tiny random llama saved as an HF folder at ``ckpt``; the registries it was saved with."""
+    regs = MilesPlugins(autoload=False).registries
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = Decoder(DecoderConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
+    save_hf_folder(model, regs.model_families.get("llama"), ckpt)
+    return regs
+
+
 @pytest.mark.parametrize("family,qk_norm", [("llama", False), ("qwen3", True)])
 def test_transformers_loads_the_export_with_the_same_logits(tmp_path, family, qk_norm):
     transformers = pytest.importorskip("transformers")
@@ -69,9 +79,7 @@ def test_atomic_dir_puts_the_old_folder_back_when_the_final_rename_fails(tmp_pat
 def test_a_truncated_safetensors_file_is_named(tmp_path):
     from miles_core.errors import ConfigError
 
-    regs = MilesPlugins(autoload=False).registries
-    model = Decoder(DecoderConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
-    save_hf_folder(model, regs.model_families.get("llama"), tmp_path / "ckpt")
+    regs = _saved_llama(tmp_path / "ckpt")
     f = tmp_path / "ckpt" / "model.safetensors"
     f.write_bytes(f.read_bytes()[:100])
     with pytest.raises(ConfigError, match=f"'{f}' is not a readable safetensors file"):
@@ -144,9 +152,7 @@ def test_a_tensor_of_the_wrong_shape_is_named(tmp_path):
 
     from miles_core.errors import ConfigError
 
-    regs = MilesPlugins(autoload=False).registries
-    model = Decoder(DecoderConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
-    save_hf_folder(model, regs.model_families.get("llama"), tmp_path / "ckpt")
+    regs = _saved_llama(tmp_path / "ckpt")
     f = tmp_path / "ckpt" / "model.safetensors"
     save_file({**load_file(str(f)), "model.norm.weight": torch.ones(7)}, str(f))
     with pytest.raises(ConfigError, match=r"'model.norm.weight' has shape \(7,\); its config.json gives \(32,\)"):
@@ -166,9 +172,7 @@ def test_a_config_json_without_a_needed_key_is_named(tmp_path, edit, message):
 
     from miles_core.errors import ConfigError
 
-    regs = MilesPlugins(autoload=False).registries
-    model = Decoder(DecoderConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
-    save_hf_folder(model, regs.model_families.get("llama"), tmp_path / "ckpt")
+    regs = _saved_llama(tmp_path / "ckpt")
     cfg_file = tmp_path / "ckpt" / "config.json"
     cfg = json.loads(cfg_file.read_text())
     edit(cfg)
@@ -187,9 +191,7 @@ def test_a_tied_checkpoint_whose_head_differs_from_its_embedding_is_refused(tmp_
 
     from miles_core.errors import ConfigError
 
-    regs = MilesPlugins(autoload=False).registries
-    model = Decoder(DecoderConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
-    save_hf_folder(model, regs.model_families.get("llama"), tmp_path / "ckpt")
+    regs = _saved_llama(tmp_path / "ckpt")
     f = tmp_path / "ckpt" / "model.safetensors"
     state = load_file(str(f))
     embed = state["model.embed_tokens.weight"]
@@ -211,11 +213,8 @@ def test_a_sharded_folder_loads_the_shards_its_index_names(tmp_path):
 
     from miles_core.errors import ConfigError
 
-    regs = MilesPlugins(autoload=False).registries
-    torch.manual_seed(0)
-    model = Decoder(DecoderConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
     ckpt = tmp_path / "ckpt"
-    save_hf_folder(model, regs.model_families.get("llama"), ckpt)
+    regs = _saved_llama(ckpt, seed=0)
     state = load_file(str(ckpt / "model.safetensors"))
     (ckpt / "model.safetensors").unlink()
     names = sorted(state)
@@ -239,11 +238,8 @@ def test_a_model_safetensors_is_the_model_whatever_else_the_folder_holds(tmp_pat
     folder was refused ("unexpected [...]") or had the other file's tensors loaded over the model's."""
     from safetensors.torch import load_file, save_file
 
-    regs = MilesPlugins(autoload=False).registries
-    torch.manual_seed(0)
-    model = Decoder(DecoderConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64))
     ckpt = tmp_path / "ckpt"
-    save_hf_folder(model, regs.model_families.get("llama"), ckpt)
+    regs = _saved_llama(ckpt, seed=0)
     state = load_file(str(ckpt / "model.safetensors"))
     save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 32)},
               str(ckpt / "adapter_model.safetensors"))

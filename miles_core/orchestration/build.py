@@ -27,7 +27,7 @@ from miles_core.models.decoder import DecoderConfig
 from miles_core.models.gguf import gguf_file, load_gguf
 from miles_core.orchestration.checkpoint import find_checkpoint
 from miles_core.orchestration.checks import (check_algorithm, check_char_alphabet, check_precision, check_resume_data,
-                                             check_run_folders, check_tokenizer_tokens)
+                                             check_run_folders, check_sft_schedule, check_tokenizer_tokens)
 from miles_core.orchestration.placement import check_placement
 from miles_core.orchestration.plugin_calls import PluginTask, checked_estimator, checked_loss, component_name, plugin_call
 from miles_core.orchestration.teacher import load_teacher
@@ -138,10 +138,7 @@ def build(cfg: MilesConfig, plugins: MilesPlugins, output_dir: Path | None) -> C
     # fails at start-up and in `miles validate`
     sft_examples = (read_sft_examples(cfg.data.train_path, cfg.data.prompt_key, cfg.data.response_key, tokenizer)
                     if cfg.run.mode == "sft" and cfg.data.train_path else None)
-    peak = cfg.train.sft_lr or cfg.train.lr
-    if cfg.run.mode == "sft" and cfg.train.lr_decay == "cosine" and cfg.train.min_lr > peak:
-        raise ConfigError(f"train.min_lr ({cfg.train.min_lr}) must not exceed train.sft_lr ({peak}): run.mode=sft's cosine "
-                          "decays from train.sft_lr to train.min_lr")
+    check_sft_schedule(cfg)
     if isinstance(tokenizer, CharTokenizer):
         check_char_alphabet(made, task, tokenizer, sft_examples)
     reward_fn, reward_name = resolve_reward(cfg, plugins, made)  # reward.name=task: the reward runner names the sample

@@ -101,6 +101,15 @@ def check_tokenizer_tokens(cfg: MilesConfig, tokenizer, source: str) -> None:
                           "with one; set pad_token or eos_token in its tokenizer_config.json")
 
 
+def check_sft_schedule(cfg: MilesConfig) -> None:
+    """run.mode=sft's cosine decays from train.sft_lr (or train.lr) to train.min_lr: a floor above the peak would
+    make the rate rise."""
+    peak = cfg.train.sft_lr or cfg.train.lr
+    if cfg.run.mode == "sft" and cfg.train.lr_decay == "cosine" and cfg.train.min_lr > peak:
+        raise ConfigError(f"train.min_lr ({cfg.train.min_lr}) must not exceed train.sft_lr ({peak}): run.mode=sft's cosine "
+                          "decays from train.sft_lr to train.min_lr")
+
+
 def check_precision(name: str, recipes, device: torch.device) -> None:
     """``train.precision=name`` must be able to run on ``device``: refused here, not by its kernels at the first step."""
     recipe = recipes.get(name, key="train.precision")
